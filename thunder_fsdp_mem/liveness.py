@@ -1,0 +1,393 @@
+"""Storage liveness of a Thunder execution trace: live bytes after every bound symbol, the peak, and what is
+alive at the peak.
+
+Entry point: ``analyze(trace, inputs=None) -> MemoryTimeline``.
+
+The model follows Python's reference counting, because that is what frees a tensor when a trace runs: names,
+collections (the lists a backward receives) and tensors are objects with reference counts; a tensor holds its
+storage; views and aliases are new tensors on the same storage (see ``ops.classify``); ``del`` drops a name,
+``clear_mutable_collection`` drops a list's references, and a storage is freed when nothing refers to it.
+Tensors held outside the trace (module parameters, the caller's inputs) are never freed by it; what the trace
+returns stays alive. The memory inside an op is its inputs, its outputs and its workspace, all at once.
+
+Cost model: bytes are ``numel * itemsize`` of the allocation, with no allocator rounding (what ``MemTracker``
+counts on CPU, and ``max_memory_allocated`` up to 512-byte rounding on CUDA). One pass over the bound symbols,
+O(1) work per proxy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fsdp_mem import layout, ops
+from thunder_fsdp_mem.categories import Category
+
+log = logging.getLogger(__name__)
+
+_reported_unknown: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """How a trace input's storage is held, for traces whose inputs come from elsewhere (a backward's saved
+    tensors come from its forward).
+
+    ``storage``: inputs with equal keys share one allocation. ``external``: held outside the trace (a module
+    parameter, the caller's input), so the trace never frees it. ``nbytes``: the allocation's size when it is
+    larger than this tensor (a view of a bigger storage); None means the tensor's own size.
+    """
+
+    storage: Hashable
+    category: Category
+    external: bool
+    nbytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One storage: who made it, how big, and the bound-symbol indices where it was allocated and freed
+    (``start`` is the unpack of an input; ``end`` is None when it outlives the trace)."""
+
+    name: str
+    nbytes: int
+    category: Category
+    shape: tuple[int, ...]
+    dtype: str
+    symbol: str
+    source: str | None
+    start: int
+    end: int | None
+    external: bool = False
+
+    def live_at(self, index: int) -> bool:
+        return self.start <= index and (self.end is None or index < self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTimeline:
+    """Result of ``analyze``. Indices are positions in ``trace.bound_symbols``.
+
+    ``timeline[i]``: live bytes after bound symbol i (frees of a ``del`` at i included).
+    ``op_peaks[i]``: live bytes while bound symbol i runs: what was live, its outputs and its workspace.
+    ``peak_bytes`` is ``max(op_peaks)``; ``live_at_peak`` lists the allocations alive then, its workspace
+    included, so their sizes add up to ``peak_bytes``.
+    ``outputs`` maps each name the trace returns to its index in ``allocations``.
+    """
+
+    peak_bytes: int
+    peak_index: int
+    peak_symbol: str
+    timeline: tuple[int, ...]
+    op_peaks: tuple[int, ...]
+    live_at_peak: tuple[Allocation, ...]
+    allocations: tuple[Allocation, ...]
+    outputs: Mapping[str, int]
+    symbols: tuple[str, ...]
+    unknown_symbols: tuple[str, ...] = ()
+
+    @property
+    def final_bytes(self) -> int:
+        return self.timeline[-1] if self.timeline else 0
+
+    def live_at(self, index: int) -> tuple[Allocation, ...]:
+        return tuple(a for a in self.allocations if a.live_at(index))
+
+    def bytes_by_category(self, allocations: tuple[Allocation, ...] | None = None) -> dict[Category, int]:
+        out: dict[Category, int] = {}
+        for a in self.live_at_peak if allocations is None else allocations:
+            out[a.category] = out.get(a.category, 0) + a.nbytes
+        return out
+
+
+def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None) -> MemoryTimeline:
+    """Live storage bytes over ``trace`` (a Thunder execution trace, forward or backward).
+
+    Without ``inputs``, tensors passed directly as arguments are held by the caller (names starting with
+    ``t_`` are taken for module parameters, others for inputs), and tensors passed inside lists (a backward's
+    ``saved_for_backward`` and ``cotangents``) belong to the trace, which frees them as it clears the lists.
+    """
+    if not isinstance(trace, TraceCtx):
+        raise TypeError(
+            f"analyze() expects a Thunder execution trace (thunder.core.trace.TraceCtx), such as "
+            f"thunder.last_traces(fn)[-1]; got {type(trace).__name__}"
+        )
+    return _Walk(trace, dict(inputs or {})).run()
+
+
+class _Walk:
+    """One pass over a trace, holding the reference counts of names, collections and storages."""
+
+    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec]):
+        self.trace = trace
+        self.inputs = inputs
+        self.obj_of: dict[str, int] = {}
+        self.obj_refs: list[int] = []
+        self.obj_alloc: list[int | None] = []
+        self.obj_members: list[list[int] | None] = []
+        self.allocs: list[list] = []  # [name, nbytes, category, shape, dtype, symbol, source, start, end, ext]
+        self.alloc_refs: list[int] = []
+        self.alloc_by_key: dict[Hashable, int] = {}
+        self.strides: dict[str, layout.Strides] = {}
+        self.live = 0
+        self.index = 0
+        self.unknown: list[str] = []
+        self.returned: dict[str, int] = {}
+        self.forward_saved: list[str] = []
+        self.forward_output: list[str] = []
+
+    # objects -----------------------------------------------------------------------------------------------
+    def _new_obj(self, name: str | None, alloc: int | None, members: list[int] | None) -> int:
+        obj = len(self.obj_refs)
+        self.obj_refs.append(0)
+        self.obj_alloc.append(alloc)
+        self.obj_members.append(members)
+        if alloc is not None:
+            self.alloc_refs[alloc] += 1
+        if name is not None:
+            self.obj_of[name] = obj
+        return obj
+
+    def _incref(self, obj: int) -> None:
+        self.obj_refs[obj] += 1
+
+    def _decref(self, obj: int) -> None:
+        self.obj_refs[obj] -= 1
+        if self.obj_refs[obj] > 0:
+            return
+        alloc = self.obj_alloc[obj]
+        if alloc is not None:
+            self._release(alloc)
+        members = self.obj_members[obj]
+        if members:
+            self.obj_members[obj] = []
+            for m in members:
+                self._decref(m)
+
+    def _release(self, alloc: int) -> None:
+        self.alloc_refs[alloc] -= 1
+        if self.alloc_refs[alloc] == 0:
+            record = self.allocs[alloc]
+            self.live -= record[1]
+            record[8] = self.index
+
+    def _allocate(self, t, category: Category, symbol: str, source: str | None, *, nbytes: int | None = None,
+                  external: bool = False) -> int:
+        size = ops.nbytes(t) if nbytes is None else nbytes
+        alloc = len(self.allocs)
+        self.allocs.append([t.name, size, category, ops.shape(t), str(t.dtype), symbol, source, self.index,
+                            None, external])
+        self.alloc_refs.append(1 if external else 0)
+        self.live += size
+        return alloc
+
+    # inputs ------------------------------------------------------------------------------------------------
+    def _input_tensor(self, t, *, in_collection: bool, root: str) -> int:
+        spec = self.inputs.get(t.name) or _default_spec(t.name, in_collection, root)
+        alloc = self.alloc_by_key.get(spec.storage)
+        if alloc is None:
+            alloc = self._allocate(t, spec.category, "input", None, nbytes=spec.nbytes, external=spec.external)
+            self.alloc_by_key[spec.storage] = alloc
+        self.strides[t.name] = layout.contiguous_strides(ops.shape(t))
+        return self._new_obj(t.name, alloc, None)
+
+    def _input_collection(self, items, name: str | None, root: str) -> int:
+        members = []
+        for item in items:
+            if isinstance(item, (TensorProxy, FutureTensorProxy)):
+                obj = self.obj_of.get(item.name)
+                if obj is None:
+                    obj = self._input_tensor(item, in_collection=True, root=root)
+            elif isinstance(item, CollectionProxy):
+                obj = self._input_collection(item.coll, item.name, root)
+            elif isinstance(item, (list, tuple)):
+                obj = self._input_collection(item, None, root)
+            else:
+                continue
+            self._incref(obj)
+            members.append(obj)
+        return self._new_obj(name, None, members)
+
+    def _unpack(self, bsym) -> None:
+        if bsym.sym.name == "unpack_sequence" and bsym.args and isinstance(bsym.args[0], CollectionProxy):
+            parent = self.obj_of.get(bsym.args[0].name)
+            members = self.obj_members[parent] if parent is not None else None
+            for i, out in enumerate(bsym.flat_proxy_outs):
+                if members is not None and i < len(members):
+                    self.obj_of.setdefault(out.name, members[i])
+                self._bind(out, root=bsym.args[0].name)
+            return
+        for out in bsym.flat_proxy_outs:
+            self._bind(out, root=out.name)
+
+    def _bind(self, proxy, *, root: str) -> None:
+        obj = self.obj_of.get(proxy.name)
+        if obj is None:
+            if isinstance(proxy, (TensorProxy, FutureTensorProxy)):
+                obj = self._input_tensor(proxy, in_collection=False, root=root)
+            elif isinstance(proxy, CollectionProxy):
+                obj = self._input_collection(proxy.coll, proxy.name, root)
+            else:
+                return
+        self._incref(obj)
+
+    # the walk ----------------------------------------------------------------------------------------------
+    def run(self) -> MemoryTimeline:
+        bsyms = self.trace.bound_symbols
+        after = [0] * len(bsyms)
+        inside = [0] * len(bsyms)
+        workspaces: dict[int, int] = {}
+        symbols = []
+        for i, bsym in enumerate(bsyms):
+            self.index = i
+            symbols.append(bsym.sym.name)
+            effect = ops.classify(bsym, self._strides_of)
+            if effect.kind is ops.Kind.COMPUTE:
+                self._compute(bsym, effect)
+                if effect.workspace:
+                    workspaces[i] = effect.workspace
+                inside[i] = self.live + effect.workspace
+            elif effect.kind is ops.Kind.UNPACK:
+                self._unpack(bsym)
+                inside[i] = self.live
+            elif effect.kind is ops.Kind.DEL:
+                inside[i] = self.live
+                for p in bsym.flat_proxy_args:
+                    obj = self.obj_of.pop(p.name, None)
+                    if obj is not None:
+                        self._decref(obj)
+            elif effect.kind is ops.Kind.CLEAR:
+                inside[i] = self.live
+                obj = self.obj_of.get(bsym.flat_proxy_args[0].name)
+                members = self.obj_members[obj] if obj is not None else None
+                if members:
+                    self.obj_members[obj] = []
+                    for m in members:
+                        self._decref(m)
+            elif effect.kind is ops.Kind.RETURN:
+                self._return(bsym)
+                inside[i] = self.live
+            else:
+                inside[i] = self.live
+            after[i] = self.live
+        return self._result(after, inside, workspaces, symbols)
+
+    def _strides_of(self, name: str) -> layout.Strides:
+        st = self.strides.get(name)
+        if st is None:
+            raise KeyError(name)
+        return st
+
+    def _compute(self, bsym, effect: ops.Effect) -> None:
+        sid = ops.sym_id(bsym)
+        if not effect.known and sid not in _reported_unknown:
+            _reported_unknown.add(sid)
+            log.warning("memory model: symbol %r is not known; its outputs are taken as new allocations", sid)
+        if not effect.known:
+            self.unknown.append(sid)
+        for a in ops.tensor_args(bsym):
+            if a.name not in self.obj_of:
+                self._bind(a, root=a.name)
+        if sid in (ops.REDUCE_SCATTER, ops.ALL_REDUCE):
+            first = ops.tensor_args(bsym)[0]
+            alloc = self.obj_alloc[self.obj_of[first.name]]
+            if alloc is not None and self.allocs[alloc][2] is Category.TEMPORARY:
+                self.allocs[alloc][2] = Category.COMM_BUFFER
+        source = _source(bsym)
+        for out in effect.outputs:
+            name = out.proxy.name
+            if name in self.obj_of:
+                continue
+            base_obj = self.obj_of.get(out.base) if out.base is not None else None
+            if base_obj is not None and self.obj_alloc[base_obj] is not None:
+                alloc = self.obj_alloc[base_obj]
+            else:
+                alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source)
+            self.strides[name] = out.strides
+            obj = self._new_obj(name, alloc, None)
+            self._incref(obj)
+
+    def _return(self, bsym) -> None:
+        for name in ops.proxy_names(bsym.args):
+            obj = self.obj_of.get(name)
+            if obj is None:
+                continue
+            self._incref(obj)
+            alloc = self.obj_alloc[obj]
+            if alloc is not None:
+                self.returned[name] = alloc
+        value = bsym.args[0] if len(bsym.args) == 1 else bsym.args
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict) and "output" in value[0]:
+            self.forward_output = ops.proxy_names(value[0]["output"])
+            self.forward_saved = ops.proxy_names(value[1])
+
+    def _result(self, after, inside, workspaces, symbols) -> MemoryTimeline:
+        self._categorize_returned()
+        allocations = tuple(
+            Allocation(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in self.allocs
+        )
+        peak_index = max(range(len(inside)), key=inside.__getitem__) if inside else 0
+        peak = inside[peak_index] if inside else 0
+        live = [a for a in allocations if a.live_at(peak_index)]
+        workspace = workspaces.get(peak_index, 0)
+        peak_symbol = symbols[peak_index] if symbols else ""
+        if workspace:
+            live.append(Allocation(f"workspace of {peak_symbol}", workspace, Category.TEMPORARY, (), "",
+                                   peak_symbol, _source(self.trace.bound_symbols[peak_index]), peak_index,
+                                   peak_index + 1))
+        live.sort(key=lambda a: -a.nbytes)
+        return MemoryTimeline(
+            peak_bytes=peak,
+            peak_index=peak_index,
+            peak_symbol=peak_symbol,
+            timeline=tuple(after),
+            op_peaks=tuple(inside),
+            live_at_peak=tuple(live),
+            allocations=allocations,
+            outputs=dict(self.returned),
+            symbols=tuple(symbols),
+            unknown_symbols=tuple(dict.fromkeys(self.unknown)),
+        )
+
+    def _categorize_returned(self) -> None:
+        if self.forward_output or self.forward_saved:
+            plan = [(self.forward_saved, Category.SAVED), (self.forward_output, Category.OUTPUT)]
+        elif _is_backward(self.trace):
+            plan = [(list(self.returned), Category.GRADIENT)]
+        else:
+            plan = [(list(self.returned), Category.OUTPUT)]
+        for names, category in plan:
+            for name in names:
+                alloc = self.returned.get(name)
+                if alloc is not None and self.allocs[alloc][2] in (Category.TEMPORARY, Category.COMM_BUFFER):
+                    self.allocs[alloc][2] = category
+
+
+def _default_spec(name: str, in_collection: bool, root: str) -> InputSpec:
+    if name.startswith("t_"):
+        return InputSpec(name, Category.PARAMETER, external=True)
+    if not in_collection:
+        return InputSpec(name, Category.INPUT, external=True)
+    category = Category.SAVED if root.startswith(("saved_for_backward", "C")) else Category.TEMPORARY
+    return InputSpec(name, category, external=False)
+
+
+def _is_backward(trace: TraceCtx) -> bool:
+    try:
+        names = [a[0] for a in trace.siginfo().args]
+    except Exception:  # noqa: BLE001 - a trace without signature info is simply not a backward
+        return False
+    return "saved_for_backward" in names
+
+
+def _source(bsym) -> str | None:
+    for candidate in (bsym, *bsym.subsymbols):
+        filename = candidate.source_filename
+        if filename:
+            line = candidate.source_positions.lineno if candidate.source_positions else None
+            return f"{filename}:{line}" if line is not None else filename
+    return None
