@@ -179,7 +179,7 @@ class _Walk:
                   external: bool = False) -> int:
         size = ops.nbytes(t) if nbytes is None else nbytes
         alloc = len(self.allocs)
-        self.allocs.append([t.name, size, category, ops.shape(t), str(t.dtype), symbol, source, self.index,
+        self.allocs.append([t.name, size, category, ops.shape(t), ops.dtype_name(t), symbol, source, self.index,
                             None, external])
         self.alloc_refs.append(1 if external else 0)
         self.live += size

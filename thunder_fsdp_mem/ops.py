@@ -117,6 +117,11 @@ def nbytes(t: TensorLike) -> int:
     return numel * t.dtype.bytes
 
 
+def dtype_name(t: TensorLike) -> str:
+    short = getattr(t.dtype, "shortname", None)
+    return short() if callable(short) else str(t.dtype)
+
+
 def shape(t: TensorLike) -> layout.Shape:
     return tuple(int(s) for s in t.shape)
 

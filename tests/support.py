@@ -1,0 +1,37 @@
+"""Helpers shared by the tests: the independent measurement (torch's MemTracker) and 2-rank torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def memtracker_peak(fn, *args, tracked=(), backward: bool = True) -> int:
+    """Peak live tensor bytes on CPU over ``fn(*args)`` (and ``.backward()`` on its result), as MemTracker
+    measures them; ``tracked`` (modules, tensors) and ``args`` are counted as alive from the start."""
+    mt = MemTracker()
+    mt.track_external(*tracked, *[a for a in args if isinstance(a, torch.Tensor)])
+    with mt:
+        out = fn(*args)
+        if backward:
+            out.backward()
+    return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def torchrun(script: str, *script_args: str, nproc: int = 2, timeout: int = 900) -> list[dict]:
+    """Run ``tests/<script>`` on ``nproc`` gloo ranks; each rank prints one JSON line prefixed ``RESULT ``."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "tests" / script), *script_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,0 +1,78 @@
+"""litgpt models for the report, the benchmarks and the tests: a configuration by name with overrides, and the
+model with its loss so that one jitted program holds the whole step.
+
+Configurations come from ``litgpt.Config.from_name``; no weights are downloaded (models start from random
+initialisation, which does not change memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from litgpt import GPT, Config
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """A litgpt configuration by name and the overrides we apply to it.
+
+    name: a litgpt configuration name (``litgpt.Config.from_name``).
+    n_layers: number of transformer blocks (None keeps the configuration's).
+    block_size: sequence length of the step (also the model's block size).
+    overrides: further ``Config`` fields as (name, value) pairs, to shrink a model for tests.
+    """
+
+    name: str
+    n_layers: int | None = None
+    block_size: int = 2048
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.n_layers is not None and (not isinstance(self.n_layers, int) or self.n_layers < 1):
+            raise ValueError(f"ModelSpec.n_layers must be a positive int, got {self.n_layers!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"ModelSpec.block_size must be a positive int, got {self.block_size!r}")
+
+    def config(self) -> Config:
+        kwargs = dict(self.overrides)
+        if self.n_layers is not None:
+            kwargs["n_layer"] = self.n_layers
+        try:
+            return Config.from_name(self.name, block_size=self.block_size, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"unknown litgpt model {self.name!r}: {e}") from None
+
+
+class LossModel(torch.nn.Module):
+    """``GPT`` followed by cross-entropy, so that ``thunder.jit`` sees (and frees) the whole step."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build(spec: ModelSpec, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+          seed: int = 0) -> LossModel:
+    """The model of ``spec`` with its loss, on ``device`` in ``dtype``, deterministically initialised."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LossModel(GPT(spec.config()))
+    return model.to(dtype)
+
+
+def batch(spec: ModelSpec, *, micro_batch_size: int = 1, device: str | torch.device = "cpu",
+          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and targets of shape (micro_batch_size, block_size)."""
+    cfg = spec.config()
+    g = torch.Generator().manual_seed(seed)
+    shape = (micro_batch_size, spec.block_size)
+    idx = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)
+    targets = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)
+    return idx, targets

@@ -1,0 +1,63 @@
+"""Process set-up shared by the CLI and the benchmarks: devices, process groups, executors, Thunder's fsdp.
+
+Nothing here reads the environment except ``init_distributed``, which reads what ``torchrun`` sets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+EXECUTOR_CHOICES = ("default", "default+cat")
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def init_distributed(device_type: str) -> Rank:
+    """Join the process group ``torchrun`` describes (NCCL on CUDA, gloo on CPU); a single process without
+    ``torchrun`` is rank 0 of 1 and starts no group."""
+    if "RANK" not in os.environ:
+        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+        return Rank(0, 1, device)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return Rank(dist.get_rank(), dist.get_world_size(), device)
+
+
+def executors(choice: str) -> list:
+    """Thunder's default executors, with ``torch_compile_cat_ex`` first for ``default+cat`` (the seed's
+    ``thunder_inductor_cat``; it claims CUDA tensors only). nvFuser is among the defaults when installed."""
+    import thunder
+
+    if choice not in EXECUTOR_CHOICES:
+        raise ValueError(f"executors must be one of {', '.join(EXECUTOR_CHOICES)}; got {choice!r}")
+    chosen = list(thunder.get_default_executors())
+    if choice == "default+cat":
+        from thunder.executors.torch_compile import torch_compile_cat_ex
+
+        chosen.insert(0, torch_compile_cat_ex)
+    return chosen
+
+
+def thunder_fsdp(jitted, *, shard: str, device: torch.device):
+    """``thunder.distributed.fsdp`` with ``shard`` one of ``zero2``/``zero3``."""
+    from thunder.distributed import FSDPType, fsdp
+
+    strategies = {"zero2": FSDPType.ZERO2, "zero3": FSDPType.ZERO3}
+    if shard not in strategies:
+        raise ValueError(f"shard must be one of zero2, zero3; got {shard!r}")
+    return fsdp(jitted, device=device, sharding_strategy=strategies[shard])
