@@ -118,6 +118,17 @@ def expanded(shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[i
     return tuple(out)
 
 
+def broadcast_in_dim(shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[int],
+                     broadcast_dims: Sequence[int]) -> Strides:
+    """Strides of Thunder's ``broadcast_in_dim``: input dim i lands on ``broadcast_dims[i]``; every other output
+    dimension, and every input dimension of size 1 that grows, has stride 0."""
+    out = [0] * len(new_shape)
+    for i, d in enumerate(broadcast_dims):
+        if not (shape[i] == 1 and new_shape[d] != 1):
+            out[d] = strides[i]
+    return tuple(out)
+
+
 def unsqueezed(shape: Sequence[int], strides: Sequence[int], dim: int) -> Strides:
     dim = dim % (len(shape) + 1)
     inner = strides[dim] * shape[dim] if dim < len(shape) else 1

@@ -306,7 +306,7 @@ class _Walk:
             if base_obj is not None and self.obj_alloc[base_obj] is not None:
                 alloc = self.obj_alloc[base_obj]
             else:
-                alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source)
+                alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source, nbytes=out.nbytes)
             self.strides[name] = out.strides
             obj = self._new_obj(name, alloc, None)
             self._incref(obj)

@@ -51,6 +51,7 @@ class Output:
     base: str | None
     strides: layout.Strides
     category: Category = Category.TEMPORARY
+    nbytes: int | None = None  # size of the allocation when larger than the tensor (views of one buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +131,25 @@ def is_fusion(bsym) -> bool:
     return bool(getattr(bsym.sym, "is_fusion", False))
 
 
+# Thunder prims that are views, by the name of the torch-executor op with the same semantics.
+_PRIM_VIEWS = {
+    PrimIDs.SLICE: "torch_slice_prim_impl",
+    PrimIDs.BROADCAST_IN_DIM: "expand",
+    PrimIDs.TRANSPOSE: "permute",
+    PrimIDs.RESHAPE: "reshape",
+    PrimIDs.VIEW: "view",
+    PrimIDs.SQUEEZE: "squeeze",
+    PrimIDs.SHALLOW_COPY: "shallow_copy",
+}
+
+
 def sym_id(bsym) -> str:
+    """The op's name as this module's tables know it: the executor's id for executor symbols, the short name
+    for ``thunder.torch`` symbols, the torch op with the same semantics for view prims."""
     sid = bsym.sym.id
-    return sid if isinstance(sid, str) else str(getattr(sid, "name", sid))
+    if isinstance(sid, str):
+        return bsym.sym.name if sid.startswith("torch.") else sid
+    return _PRIM_VIEWS.get(sid) or bsym.sym.name
 
 
 def classify(bsym, strides_of: StridesOf) -> Effect:
@@ -150,7 +167,7 @@ def classify(bsym, strides_of: StridesOf) -> Effect:
     if not outs:
         return Effect(Kind.NOOP)
     if is_fusion(bsym):
-        return _fusion(bsym, outs)
+        return _fusion(bsym, outs, strides_of)
     sid = sym_id(bsym)
     args = tensor_args(bsym)
     first = args[0] if args else None
@@ -200,6 +217,8 @@ def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.
     in_shape, out_shape = shape(base), shape(out)
     if sid in ("shallow_copy", "detach", "alias", "update_aliases", "split", "tensor_split", "chunk"):
         return st if len(st) == len(out_shape) else layout.contiguous_strides(out_shape)
+    if bsym.sym.id == PrimIDs.BROADCAST_IN_DIM:
+        return layout.broadcast_in_dim(in_shape, st, out_shape, bsym.args[2])
     if sid in ("expand", "expand_as", "broadcast_to"):
         return layout.expanded(in_shape, st, out_shape)
     if sid == "unsqueeze":
@@ -260,27 +279,54 @@ def _collective(bsym, sid: str, first: TensorLike | None, outs: Sequence[TensorL
     return Effect(Kind.COMPUTE, (Output(out, None, layout.contiguous_strides(shape(out)), category),))
 
 
-def _fusion(bsym, outs: Sequence[TensorLike]) -> Effect:
-    """A fusion region allocates each output, unless its subsymbols reach that output from one of the region's
-    inputs through view ops alone (then the output aliases that input)."""
+def _fusion(bsym, outs: Sequence[TensorLike], strides_of: StridesOf) -> Effect:
+    """A fusion region allocates each output, except outputs that its subsymbols reach from one of the region's
+    inputs through views alone (they alias that input) and outputs that are views of one internal buffer (they
+    share one allocation of that buffer's size)."""
     inputs = {a.name for a in tensor_args(bsym)}
-    root: dict[str, str] = {name: name for name in inputs}
-    for sub in bsym.subsymbols:
-        sub_args = tensor_args(sub)
-        sid = sym_id(sub)
-        if not sub_args or sub_args[0].name not in root:
-            continue
-        if sid in VIEW_OPS or sid in RESHAPE_OPS or sid == "shallow_copy" or sub.sym.id in (
-            "torch.reshape", "torch.Tensor.view", "torch.permute", "torch.unsqueeze", "torch.Tensor.expand",
-        ):
-            for o in tensor_outputs(sub):
-                root[o.name] = root[sub_args[0].name]
-    outputs = []
+    strides = {name: strides_of(name) for name in inputs}
+    root = {name: name for name in inputs}
+    size = {}
+    _trace_views(bsym.subsymbols, strides, root, size)
+    outputs: list[Output] = []
+    first_of_root: dict[str, str] = {}
     for o in outs:
-        base = root.get(o.name)
-        outputs.append(Output(o, base if base in inputs and base != o.name else None,
-                              layout.contiguous_strides(shape(o))))
+        r = root.get(o.name, o.name)
+        st = strides.get(o.name) or layout.contiguous_strides(shape(o))
+        if r in inputs and r != o.name:
+            outputs.append(Output(o, r, st))
+        elif r in first_of_root:
+            outputs.append(Output(o, first_of_root[r], st))
+        else:
+            first_of_root[r] = o.name
+            outputs.append(Output(o, None, st, nbytes=max(size.get(r, 0), nbytes(o))))
     return Effect(Kind.COMPUTE, tuple(outputs))
+
+
+def _trace_views(bsyms, strides: dict, root: dict, size: dict) -> None:
+    """Follow views through a region's subsymbols: ``root[name]`` is the tensor whose storage ``name`` uses."""
+    for sub in bsyms:
+        outs = tensor_outputs(sub)
+        if not outs:
+            continue
+        effect = classify(sub, lambda n: strides.get(n) or _unknown_strides(sub, n))
+        if effect.kind is not Kind.COMPUTE:
+            continue
+        for out in effect.outputs:
+            name = out.proxy.name
+            strides[name] = out.strides
+            if out.base is not None and out.base in root:
+                root[name] = root[out.base]
+            else:
+                root[name] = name
+                size[name] = nbytes(out.proxy)
+
+
+def _unknown_strides(bsym, name: str) -> layout.Strides:
+    for a in tensor_args(bsym):
+        if a.name == name:
+            return layout.contiguous_strides(shape(a))
+    raise KeyError(name)
 
 
 def _workspace(bsym, sid: str, args: Sequence[TensorLike], strides_of: StridesOf) -> int:

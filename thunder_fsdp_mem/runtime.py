@@ -39,18 +39,45 @@ def init_distributed(device_type: str) -> Rank:
 
 
 def executors(choice: str) -> list:
-    """Thunder's default executors, with ``torch_compile_cat_ex`` first for ``default+cat`` (the seed's
-    ``thunder_inductor_cat``; it claims CUDA tensors only). nvFuser is among the defaults when installed."""
+    """Thunder's default executors, with a torch.compile executor for ``cat`` first for ``default+cat`` (the
+    seed's ``thunder_inductor_cat``; it claims CUDA tensors only). nvFuser is among the defaults when installed.
+
+    Thunder 0.2.7 names the fusions of every torch.compile executor ``TorchCompile0``, ``TorchCompile1``...
+    When two of them claim regions of one trace (``torchcompile_cat`` and the default ``torchcompile_xentropy``
+    once the loss is jitted with the model), the second region's callable replaces the first's and the step
+    fails (``to_be_compiled() takes 2 positional arguments but 3 were given``). Our cat executor claims exactly
+    what ``torch_compile_cat_ex`` claims and names its fusions ``TorchCompileCat0``...
+    """
     import thunder
 
     if choice not in EXECUTOR_CHOICES:
         raise ValueError(f"executors must be one of {', '.join(EXECUTOR_CHOICES)}; got {choice!r}")
     chosen = list(thunder.get_default_executors())
     if choice == "default+cat":
-        from thunder.executors.torch_compile import torch_compile_cat_ex
-
-        chosen.insert(0, torch_compile_cat_ex)
+        chosen.insert(0, _cat_executor())
     return chosen
+
+
+_CAT_EX = None
+
+
+def _cat_executor():
+    global _CAT_EX
+    if _CAT_EX is None:
+        from thunder.core.symbol import Symbol
+        from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_cat_ex
+
+        class _CatExecutor(TorchCompileExecutor):
+            def fuse(self, region, fusion_counter):
+                bsym = super().fuse(region, fusion_counter)
+                old = bsym.sym.name
+                new = old.replace("TorchCompile", "TorchCompileCat", 1)
+                sym = Symbol(new, meta=None, is_fusion=True, executor=self)
+                return bsym.from_bsym(sym=sym, _call_ctx={new: bsym._call_ctx[old]})
+
+        _CAT_EX = _CatExecutor(name="torchcompile_cat_named", required_ops=torch_compile_cat_ex.required_ops)
+        _CAT_EX._implmap = dict(torch_compile_cat_ex._implmap)
+    return _CAT_EX
 
 
 def thunder_fsdp(jitted, *, shard: str, device: torch.device):
