@@ -135,7 +135,8 @@ def _dump_probes(out: Path, samples, estimate, forward, backward) -> None:
     dump = {"samples": samples}
     for tag, name, timeline, trace in ((0, "forward", estimate.forward, forward),
                                        (1, "backward", estimate.backward, backward)):
-        dump[name] = {"timeline": timeline.timeline, "op_peaks": timeline.op_peaks, "symbols": timeline.symbols}
+        dump[name] = {"timeline": timeline.timeline, "op_peaks": timeline.op_peaks, "symbols": timeline.symbols,
+                      "lines": [str(b).split("\n")[0][:300] for b in trace.bound_symbols]}
         (out / f"{name}_trace.py").write_text(str(trace))
     dump["forward_outside_bytes"] = estimate.forward_outside_bytes
     dump["backward_outside_bytes"] = estimate.backward_outside_bytes
