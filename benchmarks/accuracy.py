@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, nargs="+", default=[4])
     p.add_argument("--block-size", type=int, nargs="+", default=[4096])
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
+                   help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--mode", choices=("jit", "fsdp"), default="jit", help="one configuration: thunder.jit or fsdp")
     p.add_argument("--shard", choices=("zero2", "zero3"), default="zero2")
@@ -61,7 +63,8 @@ def run_one(args) -> dict:
     from thunder_fsdp_mem import estimate_step, models, runtime
 
     rank = runtime.init_distributed(args.device)
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0])
+    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0],
+                            overrides=_overrides(args.override))
     model = models.build(spec, dtype=models.DTYPES[args.dtype], device=rank.device)
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
     samples: list[tuple[int, int, int, int]] = []
@@ -117,7 +120,7 @@ def run_one(args) -> dict:
     result = {
         "model": args.model, "n_layers": spec.config().n_layer, "block_size": spec.block_size,
         "mode": args.mode if args.mode == "jit" else f"fsdp-{args.shard}", "device": args.device,
-        "world_size": rank.world_size, "rank": rank.rank, "executors": args.executors,
+        "world_size": rank.world_size, "rank": rank.rank, "executors": args.executors, "dtype": args.dtype,
         "measured_peak_bytes": int(measured), "estimated_peak_bytes": int(estimate.peak_bytes),
         "thunder_get_alloc_memory_bytes": int(thunder_estimate), "allocated_before_step": int(before),
         "estimated_persistent_bytes": int(estimate.persistent_bytes), "peak_phase": estimate.peak_phase,
@@ -127,6 +130,14 @@ def run_one(args) -> dict:
     if args.probe_dump and rank.rank == 0:
         _dump_probes(Path(args.probe_dump), samples, estimate, forward, backward)
     return result
+
+
+def _overrides(pairs: list[str]) -> tuple[tuple[str, int], ...]:
+    out = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        out.append((key, int(value)))
+    return tuple(out)
 
 
 def _dump_probes(out: Path, samples, estimate, forward, backward) -> None:
@@ -175,7 +186,8 @@ def run_matrix(args) -> list[dict]:
 def _common(args, n_layers: int, block_size: int) -> list[str]:
     return ["--device", args.device, "--model", args.model, "--n-layers", str(n_layers), "--block-size",
             str(block_size), "--micro-batch-size", str(args.micro_batch_size), "--dtype", args.dtype,
-            "--executors", args.executors, "--warmup", str(args.warmup)]
+            "--executors", args.executors, "--warmup", str(args.warmup),
+            *[f"--override={o}" for o in args.override]]
 
 
 def _collect(run, out: str, err: str, returncode: int) -> dict:
@@ -194,15 +206,16 @@ def _collect(run, out: str, err: str, returncode: int) -> dict:
 def markdown(results: list[dict]) -> str:
     from thunder_fsdp_mem.units import format_bytes
 
-    lines = ["| model | layers | tokens | mode | measured peak | estimate_step | error | Thunder get_alloc_memory "
-             "| its error |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | layers | tokens | dtype | mode | measured peak | estimate_step | error "
+             "| Thunder get_alloc_memory | its error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| | {r['n_layers']} | {r['block_size']} | {r['mode']} | failed: {r['error']} | | | | |")
+            lines.append(f"| | {r['n_layers']} | {r['block_size']} | | {r['mode']} | failed: {r['error']} | | | | |")
             continue
         m, e, g = r["measured_peak_bytes"], r["estimated_peak_bytes"], r["thunder_get_alloc_memory_bytes"]
         lines.append(
-            f"| {r['model']} | {r['n_layers']} | {r['block_size']} | {r['mode']} | {format_bytes(m)} | "
+            f"| {r['model']} | {r['n_layers']} | {r['block_size']} | {r.get('dtype', 'bf16')} | {r['mode']} | "
+            f"{format_bytes(m)} | "
             f"{format_bytes(e)} | {100 * (e - m) / m:+.2f}% | {format_bytes(g)} | {100 * (g - m) / m:+.1f}% |"
         )
     return "\n".join(lines)

@@ -367,13 +367,18 @@ class _Walk:
                     self.allocs[alloc][2] = category
 
 
+_OWNED_COLLECTIONS = ("saved_for_backward", "cotangents")
+
+
 def _default_spec(name: str, in_collection: bool, root: str) -> InputSpec:
+    """Parameters (``t_`` names) and what the caller passes are held by the caller; what a backward receives in
+    ``saved_for_backward`` and ``cotangents`` belongs to the backward, which clears those lists."""
     if name.startswith("t_"):
         return InputSpec(name, Category.PARAMETER, external=True)
-    if not in_collection:
-        return InputSpec(name, Category.INPUT, external=True)
-    category = Category.SAVED if root.startswith(("saved_for_backward", "C")) else Category.TEMPORARY
-    return InputSpec(name, category, external=False)
+    if in_collection and root in _OWNED_COLLECTIONS:
+        category = Category.SAVED if root == "saved_for_backward" else Category.TEMPORARY
+        return InputSpec(name, category, external=False)
+    return InputSpec(name, Category.INPUT, external=True)
 
 
 def _is_backward(trace: TraceCtx) -> bool:

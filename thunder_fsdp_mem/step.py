@@ -27,6 +27,7 @@ import thunder
 
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
+from thunder_fsdp_mem.ops import proxy_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,75 +64,64 @@ def estimate_step(fn) -> StepMemory:
     function that has run at least once (its last run's traces are used)."""
     forward_trace, backward_trace = _last_traces(fn)
     persistent = _persistent_tensors(fn, forward_trace)
-    param_specs = {
-        name: InputSpec(key, category, external=True, nbytes=nbytes)
-        for name, (key, category, nbytes) in persistent.items()
-        if name in _arg_names(forward_trace)
-    }
-    forward = analyze(forward_trace, inputs=param_specs)
-    persistent_bytes = _unique_bytes(persistent.values())
-    forward_seen = {a.name for a in forward.allocations if a.external}
-    fwd_outside = _outside(persistent, exclude=forward_seen)
-    fwd_outside_bytes = _unique_bytes(fwd_outside.values())
-
+    forward_args = _arg_names(forward_trace)
+    forward = analyze(forward_trace, inputs={
+        name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
+        for name, held in persistent.items() if name in forward_args
+    })
+    forward_outside = _outside(persistent, reached={persistent[n].key for n in forward_args if n in persistent})
     saved_bytes = sum(
         forward.allocations[i].nbytes
-        for i in {forward.outputs[n] for n in forward.outputs}
+        for i in set(forward.outputs.values())
         if forward.allocations[i].category is not Category.OUTPUT and not forward.allocations[i].external
     )
-    output_allocs = {i for i in forward.outputs.values() if forward.allocations[i].category is Category.OUTPUT}
+    phases = [("forward", forward, forward_outside)]
 
     backward = None
-    bwd_outside_bytes = 0
-    bwd_peak = 0
     gradient_bytes = 0
     if backward_trace is not None:
-        specs = {}
-        for name, i in forward.outputs.items():
-            a = forward.allocations[i]
-            held = a.external or a.category is Category.OUTPUT
-            specs[name] = InputSpec(("forward", i), a.category, external=held, nbytes=a.nbytes)
-        backward = analyze(backward_trace, inputs=specs)
-        in_backward = {n for n in _arg_names(backward_trace, nested=True) if n in specs}
-        seen_allocs = {forward.outputs[n] for n in in_backward}
-        outside_outputs = sum(forward.allocations[i].nbytes for i in output_allocs - seen_allocs)
-        seen_persistent = {forward.allocations[i].name for i in seen_allocs if forward.allocations[i].external}
-        bwd_outside_bytes = _unique_bytes(_outside(persistent, exclude=seen_persistent).values()) + outside_outputs
-        bwd_peak = backward.peak_bytes + bwd_outside_bytes
+        backward = analyze(backward_trace, inputs=_saved_specs(forward))
+        received = {forward.outputs[n] for n in _arg_names(backward_trace) if n in forward.outputs}
+        reached = {persistent[forward.allocations[i].name].key for i in received
+                   if forward.allocations[i].name in persistent}
+        held_outputs = [forward.allocations[i] for i in set(forward.outputs.values()) - received
+                        if forward.allocations[i].category is Category.OUTPUT]
+        phases.append(("backward", backward, _outside(persistent, reached) + held_outputs))
         gradient_bytes = sum(
             a.nbytes for a in backward.allocations if a.category is Category.GRADIENT and a.end is None
         )
 
-    fwd_peak = forward.peak_bytes + fwd_outside_bytes
-    if backward is not None and bwd_peak > fwd_peak:
-        phase, timeline, outside_bytes = "backward", backward, bwd_outside_bytes
-        outside = _outside(persistent, exclude=seen_persistent)
-    else:
-        phase, timeline, outside_bytes = "forward", forward, fwd_outside_bytes
-        outside = fwd_outside
-    live = list(timeline.live_at_peak) + [
-        Allocation(name, nbytes, category, (), "", "held outside the trace", None, -1, None, True)
-        for name, (_, category, nbytes) in outside.items()
-    ]
-    if phase == "backward":
-        live += [forward.allocations[i] for i in output_allocs - seen_allocs]
-    live.sort(key=lambda a: -a.nbytes)
+    peaks = [timeline.peak_bytes + sum(a.nbytes for a in outside) for _, timeline, outside in phases]
+    at = max(range(len(phases)), key=peaks.__getitem__)
+    phase, timeline, outside = phases[at]
+    live = sorted((*timeline.live_at_peak, *outside), key=lambda a: -a.nbytes)
     return StepMemory(
-        peak_bytes=max(fwd_peak, bwd_peak),
+        peak_bytes=peaks[at],
         peak_phase=phase,
         peak_index=timeline.peak_index,
         peak_symbol=timeline.peak_symbol,
-        persistent_bytes=persistent_bytes,
-        forward_peak_bytes=fwd_peak,
+        persistent_bytes=sum(held.record.nbytes for held in _unique(persistent.values())),
+        forward_peak_bytes=peaks[0],
         saved_bytes=saved_bytes,
-        backward_peak_bytes=bwd_peak,
+        backward_peak_bytes=peaks[1] if backward is not None else 0,
         gradient_bytes=gradient_bytes,
         forward=forward,
         backward=backward,
-        forward_outside_bytes=fwd_outside_bytes,
-        backward_outside_bytes=bwd_outside_bytes,
+        forward_outside_bytes=sum(a.nbytes for a in phases[0][2]),
+        backward_outside_bytes=sum(a.nbytes for a in phases[1][2]) if backward is not None else 0,
         live_at_peak=tuple(live),
     )
+
+
+def _saved_specs(forward: MemoryTimeline) -> dict[str, InputSpec]:
+    """What the forward returns, as the backward receives it: the same storages, with their categories; those
+    the caller holds (parameters, inputs, the forward's output) are never freed by the backward."""
+    specs = {}
+    for name, i in forward.outputs.items():
+        a = forward.allocations[i]
+        held = a.external or a.category is Category.OUTPUT
+        specs[name] = InputSpec(("forward", i), a.category, external=held, nbytes=a.nbytes)
+    return specs
 
 
 def _last_traces(fn):
@@ -149,19 +139,34 @@ def _last_traces(fn):
     return forward[-1], (backward[-1] if backward else None)
 
 
-def _persistent_tensors(fn, trace) -> dict[str, tuple[object, Category, int]]:
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A tensor alive before the step: its storage identity and its record."""
+
+    key: object
+    record: Allocation
+
+
+def _persistent_tensors(fn, trace) -> dict[str, _Held]:
     """Tensors alive before the step, by trace argument name: parameters and buffers (``t_`` + qualified name,
     as Thunder names them) and the remaining tensor arguments of the forward trace (the step's inputs)."""
-    out: dict[str, tuple[object, Category, int]] = {}
+    out: dict[str, _Held] = {}
     if isinstance(fn, torch.nn.Module):
         for qualname, t in [*fn.named_parameters(), *fn.named_buffers()]:
             name = "t_" + qualname.replace(".", "_")
-            out[name] = (_storage_key(t), Category.PARAMETER, t.untyped_storage().nbytes())
+            record = _held_record(qualname, t.untyped_storage().nbytes(), Category.PARAMETER, tuple(t.shape),
+                                  str(t.dtype).removeprefix("torch."))
+            out[name] = _Held(_storage_key(t), record)
     for a in trace.args:
         if hasattr(a, "shape") and hasattr(a, "dtype") and a.name not in out:
             category = Category.PARAMETER if a.name.startswith("t_") else Category.INPUT
-            out[a.name] = (a.name, category, _proxy_bytes(a))
+            out[a.name] = _Held(a.name, _held_record(a.name, _proxy_bytes(a), category, tuple(a.shape),
+                                                      a.dtype.shortname()))
     return out
+
+
+def _held_record(name: str, nbytes: int, category: Category, shape, dtype: str) -> Allocation:
+    return Allocation(name, nbytes, category, shape, dtype, "held outside the trace", None, -1, None, True)
 
 
 def _storage_key(t: torch.Tensor):
@@ -178,28 +183,15 @@ def _proxy_bytes(p) -> int:
     return n * p.dtype.bytes
 
 
-def _arg_names(trace, nested: bool = False) -> set[str]:
-    from thunder_fsdp_mem.ops import proxy_names
-
-    names: set[str] = set()
-    for a in trace.args:
-        if nested and hasattr(a, "coll"):
-            names.update(proxy_names(a.coll))
-        elif nested and isinstance(a, (list, tuple)):
-            for item in a:
-                names.update(proxy_names(item.coll if hasattr(item, "coll") else item))
-        elif hasattr(a, "name"):
-            names.add(a.name)
-    return names
+def _arg_names(trace) -> set[str]:
+    """Names of the tensors a trace receives, directly or inside its argument lists."""
+    return set(proxy_names(trace.args))
 
 
-def _outside(persistent, exclude: set[str]) -> dict[str, tuple[object, Category, int]]:
-    excluded_keys = {persistent[n][0] for n in exclude if n in persistent}
-    return {n: v for n, v in persistent.items() if n not in exclude and v[0] not in excluded_keys}
+def _outside(persistent: dict[str, _Held], reached: set) -> list[Allocation]:
+    """Records of the persistent storages a trace does not receive (each storage once)."""
+    return [held.record for held in _unique(persistent.values()) if held.key not in reached]
 
 
-def _unique_bytes(values) -> int:
-    seen: dict[object, int] = {}
-    for key, _, nbytes in values:
-        seen[key] = nbytes
-    return sum(seen.values())
+def _unique(helds) -> list[_Held]:
+    return list({held.key: held for held in helds}.values())
