@@ -100,3 +100,17 @@ def test_unknown_symbol_allocates_its_outputs_and_is_logged_once(caplog):
     assert sum("unknown_twice" in r.getMessage() for r in caplog.records) <= 1
     # a + the op's output + the add's output, all 1 KiB, alive together at the add.
     assert first.peak_bytes == 3 * 1024
+
+
+def softmax_in_float32(x):
+    return torch.softmax(x, -1, dtype=torch.float32).sum()
+
+
+def test_peak_inside_softmax_counts_the_converted_input():
+    x = torch.randn(64, 512, dtype=torch.bfloat16)
+    jf = thunder.jit(softmax_in_float32)
+    jf(x)
+    result = analyze(thunder.last_traces(jf)[-1])
+    # By hand: x (bf16) + its float32 copy inside softmax + the float32 result, at once.
+    assert result.peak_bytes == 64 * 512 * (2 + 4 + 4)
+    assert memtracker_peak(jf, x, backward=False) == result.peak_bytes

@@ -14,8 +14,10 @@ Rules, by symbol id (the name Thunder's executors register):
   not know are reported once by name.
 
 Workspace is modelled where an op materialises tensors it does not return: ``matmul``/``linear`` copying an
-operand that cannot be viewed as the batched or folded shape, ``softmax`` converting its input to another dtype,
-``cross_entropy`` materialising ``log_softmax``, and SDPA's math backend materialising the attention matrix.
+operand that cannot be viewed as the batched or folded shape, and ``softmax``/``log_softmax`` converting their
+input to another dtype. (Thunder 0.2.7 shows the rest in the trace: on CPU it decomposes SDPA into ``matmul`` and
+``softmax``, and ``cross_entropy`` into ``log_softmax`` and ``nll_loss``; on CUDA its sdpa executor calls the
+memory-efficient or flash kernels, whose outputs it lists.)
 """
 
 from __future__ import annotations
@@ -187,12 +189,9 @@ def classify(bsym, strides_of: StridesOf) -> Effect:
         return Effect(Kind.COMPUTE, (Output(outs[0], first.name, strides_of(first.name)),))
     if sid in COLLECTIVES:
         return _collective(bsym, sid, first, outs)
-    outputs = tuple(Output(o, None, _new_strides(sid, o, args, strides_of)) for o in outs)
     category = Category.COMM_BUFFER if sid in PACKS else Category.TEMPORARY
-    if category is not Category.TEMPORARY:
-        outputs = tuple(Output(o.proxy, None, o.strides, category) for o in outputs)
-    workspace = _workspace(bsym, sid, args, strides_of)
-    return Effect(Kind.COMPUTE, outputs, workspace, known=_known(bsym, sid))
+    outputs = tuple(Output(o, None, _new_strides(sid, o, args, strides_of), category) for o in outs)
+    return Effect(Kind.COMPUTE, outputs, _workspace(bsym, sid, args, strides_of), known=_known(bsym, sid))
 
 
 def _known(bsym, sid: str) -> bool:
@@ -337,10 +336,6 @@ def _workspace(bsym, sid: str, args: Sequence[TensorLike], strides_of: StridesOf
         if dtype is not None and _dtype_bytes(dtype) is not None and _dtype_bytes(dtype) != args[0].dtype.bytes:
             return nbytes(args[0]) // args[0].dtype.bytes * _dtype_bytes(dtype)
         return 0
-    if sid == "cross_entropy" and args:
-        return nbytes(args[0])
-    if sid == "scaled_dot_product_attention" and len(args) >= 3:
-        return _sdpa_math_workspace(bsym, args)
     return 0
 
 
@@ -373,21 +368,6 @@ def _matmul_workspace(sid: str, a: TensorLike, b: TensorLike, strides_of: Stride
         if layout.view_strides(full, exp_st, (_prod(batch),) + s[-2:]) is None:
             total += _prod(full) * t.dtype.bytes
     return total
-
-
-def _sdpa_math_workspace(bsym, args: Sequence[TensorLike]) -> int:
-    """SDPA's math backend (CPU when a mask, dropout or GQA rules out the fused kernel) materialises the scores
-    and their softmax: two (B, H, T, S) tensors in the query's dtype."""
-    q, k = args[0], args[1]
-    if q.device.type != "cpu":
-        return 0
-    has_mask = len(args) > 3 or bsym.kwargs.get("attn_mask") is not None
-    dropout = bsym.kwargs.get("dropout_p", bsym.args[4] if len(bsym.args) > 4 else 0.0)
-    if not has_mask and not dropout:
-        return 0
-    *batch, t, _ = shape(q)
-    s = shape(k)[-2]
-    return 2 * _prod(tuple(batch)) * t * s * q.dtype.bytes
 
 
 def _broadcast(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
