@@ -1,0 +1,313 @@
+"""Every FSDP mode side by side: peak memory, step time and the estimate, one fresh ``torchrun`` per mode.
+
+    python benchmarks/compare.py --nproc-per-node 2 --model stablecode-completion-alpha-3b --block-size 8192 \\
+        [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] [--steps 10] \\
+        [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--json out.json] [--plot out.png]
+
+Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
+(eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
+the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_allocated``,
+``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: MemTracker's peak and
+nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
+estimate is ``estimate_step`` plus the optimizer's state. Rows are the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from thunder_fsdp_mem import modes as mode_table  # noqa: E402
+from thunder_fsdp_mem.units import format_bytes  # noqa: E402
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(description="Peak memory and step time of every FSDP mode, side by side.")
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (GPUs) per mode; 1 adds the single-GPU rows")
+    p.add_argument("--model", default="stablecode-completion-alpha-3b", help="litgpt configuration name")
+    p.add_argument("--n-layers", type=int, default=None, help="override the number of blocks")
+    p.add_argument("--block-size", type=int, default=8192, help="sequence length of a step")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
+    p.add_argument("--shard", choices=("zero2", "zero3"), default="zero2",
+                   help="zero2 keeps parameters gathered from forward to backward, zero3 re-gathers")
+    p.add_argument("--modes", default="all", help="'all' or a comma-separated list of modes")
+    p.add_argument("--steps", type=int, default=10, help="measured steps (median step time)")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, MemTracker)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
+    p.add_argument("--executors", choices=("default", "default+cat"), default="default+cat",
+                   help="Thunder executors: its defaults, plus torch.compile for cat (the seed's setting)")
+    p.add_argument("--memory-cap-gb", type=float, default=None,
+                   help="cap each rank's GPU memory at this many GB (80 emulates an H100); OOM becomes a row")
+    p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a bar chart of peak memory per mode (PNG or SVG)")
+    p.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
+    return p
+
+
+# --- the driver ------------------------------------------------------------------------------------------------
+
+def validate(args) -> list[str]:
+    from litgpt.config import name_to_config
+
+    if args.model not in name_to_config:
+        close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        raise UsageError(f"unknown model {args.model!r}{hint}")
+    for field in ("nproc_per_node", "block_size", "micro_batch_size", "steps"):
+        if getattr(args, field) < 1:
+            raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.n_layers is not None and args.n_layers < 1:
+        raise UsageError(f"--n-layers must be at least 1, got {args.n_layers}")
+    if args.device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        if args.nproc_per_node > count:
+            raise UsageError(f"--nproc-per-node {args.nproc_per_node} is more than the {count} GPUs present")
+    valid = mode_table.valid_modes(args.nproc_per_node)
+    if args.modes == "all":
+        return list(valid)
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in valid]
+    if unknown or not chosen:
+        raise UsageError(f"unknown mode {', '.join(unknown) or repr(args.modes)}; valid modes: {', '.join(valid)}")
+    return chosen
+
+
+def run_all(args, chosen: list[str]) -> list[dict]:
+    rows = []
+    for i, mode in enumerate(chosen, start=1):
+        if mode in mode_table.CUDA_ONLY and args.device != "cuda":
+            rows.append(_row(mode, status="skipped: needs CUDA"))
+            print(f"[{i}/{len(chosen)}] {mode}: skipped (needs CUDA)", file=sys.stderr, flush=True)
+            continue
+        nproc = 1 if mode in mode_table.SINGLE_MODES else args.nproc_per_node
+        print(f"[{i}/{len(chosen)}] {mode}: running on {nproc} rank(s), compiling first...", file=sys.stderr,
+              flush=True)
+        start = time.perf_counter()
+        row = _run_mode(args, mode, nproc)
+        took = time.perf_counter() - start
+        peak = format_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "-"
+        print(f"[{i}/{len(chosen)}] {mode}: {row['status']}, peak {peak} ({took:.0f} s)", file=sys.stderr,
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def _run_mode(args, mode: str, nproc: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).resolve()), "--worker", mode, *_forwarded(args)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    ranks = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not ranks:
+        return _row(mode, status=f"error: {_last_line(proc.stderr)}")
+    return _merge(mode, ranks)
+
+
+def _forwarded(args) -> list[str]:
+    out = ["--model", args.model, "--block-size", str(args.block_size), "--micro-batch-size",
+           str(args.micro_batch_size), "--shard", args.shard, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--executors", args.executors]
+    if args.n_layers is not None:
+        out += ["--n-layers", str(args.n_layers)]
+    if args.memory_cap_gb is not None:
+        out += ["--memory-cap-gb", str(args.memory_cap_gb)]
+    return out
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(("W1", "warnings.warn"))]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+def _row(mode: str, *, status: str, **fields) -> dict:
+    row = {"mode": mode, "peak_bytes": None, "reserved_bytes": None, "alloc_retries": None, "step_ms": None,
+           "tokens_per_s": None, "estimated_peak_bytes": None, "status": status}
+    row.update(fields)
+    return row
+
+
+def _merge(mode: str, ranks: list[dict]) -> dict:
+    """One row from every rank's: the maximum over ranks; a failure on any rank is the row's status."""
+    bad = [r["status"] for r in ranks if r["status"] != "ok"]
+    if bad:
+        return _row(mode, status="OOM" if "OOM" in bad else bad[0])
+
+    def worst(key):
+        values = [r[key] for r in ranks if r[key] is not None]
+        return max(values) if values else None
+
+    return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
+                alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
+                tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"))
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r["peak_bytes"] for r in rows if r["mode"] == mode_table.BASELINE and r["peak_bytes"]), None)
+    lines = [f"| mode | status | peak allocated | vs {mode_table.BASELINE} | peak reserved | alloc retries | step | "
+             "tokens/s | estimated peak | estimate error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peak, est = r["peak_bytes"], r["estimated_peak_bytes"]
+        cells = [
+            r["mode"], r["status"],
+            format_bytes(peak) if peak else "-",
+            f"{peak / base:.2f}x" if peak and base else "-",
+            format_bytes(r["reserved_bytes"]) if r["reserved_bytes"] else "-",
+            str(r["alloc_retries"]) if r["alloc_retries"] is not None else "-",
+            f"{r['step_ms']:.0f} ms" if r["step_ms"] else "-",
+            f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
+            format_bytes(est) if est else "-",
+            f"{100 * (est - peak) / peak:+.1f}%" if est and peak else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    names = [r["mode"] for r in rows]
+    values = [(r["peak_bytes"] or 0) / 2**30 for r in rows]
+    bars = ax.bar(names, values, color=["#4c72b0" if r["status"] == "ok" else "#c44e52" for r in rows])
+    for bar, r in zip(bars, rows):
+        label = format_bytes(r["peak_bytes"], precision=1) if r["status"] == "ok" else r["status"].split(":")[0]
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_ylabel("peak allocated per rank (GiB)")
+    ax.set_title(title)
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        if args.worker:
+            return worker(args)
+        chosen = validate(args)
+    except UsageError as e:
+        print(f"compare.py: error: {e}", file=sys.stderr)
+        return 2
+    rows = run_all(args, chosen)
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "json", "plot")}
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": config, "rows": rows}, indent=1))
+    if args.plot:
+        title = f"{args.model}, {args.block_size} tokens, {args.shard}, {args.nproc_per_node} rank(s)"
+        plot(rows, args.plot, title)
+    return 0
+
+
+# --- one mode, on every rank -------------------------------------------------------------------------------------
+
+def worker(args) -> int:
+    import torch
+
+    from thunder_fsdp_mem import models, runtime
+
+    rank = runtime.init_distributed(args.device)
+    result = {"mode": args.worker, "rank": rank.rank, "peak_bytes": None, "reserved_bytes": None,
+              "alloc_retries": None, "step_ms": None, "tokens_per_s": None, "estimated_peak_bytes": None}
+    try:
+        if args.memory_cap_gb is not None and args.device == "cuda":
+            total = torch.cuda.get_device_properties(rank.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
+        spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+        trainer = mode_table.build(args.worker, spec, rank, shard=args.shard, executors=args.executors,
+                                   dtype=models.DTYPES[args.dtype])
+        idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device,
+                                    seed=rank.rank)
+        for _ in range(args.warmup):
+            trainer.step(idx, targets)
+        result.update(_measure(args, trainer, idx, targets, rank))
+        result["status"] = "ok"
+    except torch.OutOfMemoryError:
+        result["status"] = "OOM"
+    except Exception as e:  # noqa: BLE001 - a failing mode is a row, the other modes still run
+        result["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    print("RESULT " + json.dumps(result), flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _measure(args, trainer, idx, targets, rank) -> dict:
+    import torch
+
+    times = []
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            trainer.step(idx, targets)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated()
+        reserved = torch.cuda.max_memory_reserved()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(trainer.model, trainer.optimizer, idx, targets)
+        with tracker:
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                trainer.step(idx, targets)
+                times.append(time.perf_counter() - start)
+                tracker.reset_mod_stats()  # per-module statistics of one step; the overall peak stays
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        reserved = retries = None
+    step_s = statistics.median(times)
+    return {"peak_bytes": int(peak), "reserved_bytes": reserved, "alloc_retries": retries,
+            "step_ms": step_s * 1e3,
+            "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s,
+            "estimated_peak_bytes": _estimate(trainer)}
+
+
+def _estimate(trainer) -> int | None:
+    """``estimate_step`` of the ThunderModule plus the optimizer's state, where the mode has a ThunderModule."""
+    if trainer.jitted is None:
+        return None
+    from thunder_fsdp_mem import estimate_step
+
+    state = sum(
+        t.untyped_storage().nbytes()
+        for s in trainer.optimizer.state.values() for t in s.values() if hasattr(t, "untyped_storage")
+    )
+    return estimate_step(trainer.jitted).peak_bytes + state
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

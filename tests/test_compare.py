@@ -1,0 +1,68 @@
+"""benchmarks/compare.py on CPU: every mode but the CUDA-only one runs and is measured (MemTracker, 2 gloo ranks);
+bad input exits 2 with one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from support import ROOT
+
+SCRIPT = str(ROOT / "benchmarks" / "compare.py")
+
+
+def _run(*args, timeout=1500):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "out.json"
+    plot = out.with_suffix(".png")
+    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "2",
+                "--block-size", "128", "--steps", "3", "--warmup", "1", "--json", str(out), "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc, plot
+
+
+def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
+    result, proc, plot = comparison
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem",
+                         "fsdp2-inductor", "fsdp2-eager", "fsdp1-inductor"}
+    assert rows.pop("fsdp1-inductor")["status"].startswith("skipped")
+    for mode, row in rows.items():
+        assert row["status"] == "ok", (mode, row["status"])
+        assert row["peak_bytes"] > 0 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
+    assert {"mode", "peak_bytes", "reserved_bytes", "alloc_retries", "step_ms", "tokens_per_s",
+            "estimated_peak_bytes", "status"} <= set(result["rows"][0])
+    assert result["config"]["model"] == "pythia-14m"
+    assert plot.stat().st_size > 0
+    # The progress lines and the table.
+    assert "[1/7] thunder-fsdp:" in proc.stderr
+    assert "| fsdp2-inductor | ok |" in proc.stdout
+
+
+def test_mem_rows_equal_the_rows_without_the_transform_today(comparison):
+    # FSDPMemoryTransform changes nothing yet: the same step, the same memory (MemTracker is deterministic).
+    rows = {r["mode"]: r for r in comparison[0]["rows"]}
+    assert rows["thunder-fsdp+mem"]["peak_bytes"] == rows["thunder-fsdp"]["peak_bytes"]
+    assert rows["fsdp2-thunder+mem"]["peak_bytes"] == rows["fsdp2-thunder"]["peak_bytes"]
+    assert rows["thunder-fsdp"]["estimated_peak_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "stablecode-alpha", "--device", "cpu"], "closest: "),
+        (["--modes", "thunder-fsdp,nope", "--device", "cpu"], "valid modes: thunder-fsdp"),
+        (["--device", "cuda", "--nproc-per-node", "64"], "GPUs present"),
+        (["--steps", "0", "--device", "cpu"], "--steps must be at least 1"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, message):
+    proc = _run(*args, timeout=300)
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if "warn" not in line.lower()]
+    assert len(err) == 1 and message in err[0], proc.stderr

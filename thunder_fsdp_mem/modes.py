@@ -1,0 +1,155 @@
+"""The training set-ups we compare, by name: how each wraps and compiles a litgpt model.
+
+``build(mode, spec, rank, ...) -> Trainer`` gives a model ready for ``Trainer.step(idx, targets)`` (forward,
+cross-entropy loss computed eagerly on the logits as Thunder's ``benchmark_litgpt.py`` does, backward, AdamW
+step, ``zero_grad``). The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
+``ln_f``, then the root, with a bf16 ``MixedPrecisionPolicy``; ``reshard_after_forward`` is on for zero3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from thunder_fsdp_mem import models, runtime
+
+DISTRIBUTED_MODES = (
+    "thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "fsdp2-inductor", "fsdp2-eager",
+    "fsdp1-inductor",
+)
+SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "eager")
+CUDA_ONLY = frozenset({"fsdp1-inductor"})
+BASELINE = "fsdp2-inductor"
+
+
+def valid_modes(nproc: int) -> tuple[str, ...]:
+    """Modes that make sense for ``nproc`` processes per node: the single-GPU rows only with 1."""
+    return DISTRIBUTED_MODES + (SINGLE_MODES if nproc == 1 else ())
+
+
+@dataclass
+class Trainer:
+    """A model wrapped for one mode, with its optimizer. ``jitted`` is the ThunderModule when there is one
+    (what ``estimate_step`` reads)."""
+
+    mode: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    jitted: torch.nn.Module | None = None
+    backend: object | None = None
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(idx)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
+          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16) -> Trainer:
+    builders: dict[str, Callable[..., Trainer]] = {
+        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=False),
+        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=True),
+        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, False)),
+        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, True)),
+        "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("inductor",)),
+        "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=None),
+        "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype),
+        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=False),
+        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=True),
+        "inductor": lambda: _plain(mode, spec, rank, dtype, compile_=True),
+        "eager": lambda: _plain(mode, spec, rank, dtype, compile_=False),
+    }
+    if mode not in builders:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(builders)}")
+    if mode in CUDA_ONLY and rank.device.type != "cuda":
+        raise ValueError(f"mode {mode} needs CUDA")
+    if rank.device.type == "cpu":
+        _scalar_cpu_inductor()
+    return builders[mode]()
+
+
+def _scalar_cpu_inductor() -> None:
+    """Inductor's vectorized C++ code for bf16 reductions does not compile in torch 2.11 (``conflicting
+    declaration 'auto at_BFloat16_tmp_acc0_vec'``); scalar code does. CPU runs are for correctness, not speed."""
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 1
+
+
+def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
+    from litgpt import GPT
+
+    torch.manual_seed(0)
+    with torch.device(rank.device):
+        gpt = GPT(spec.config())
+    return gpt.to(dtype)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem: bool) -> Trainer:
+    import thunder
+
+    from thunder_fsdp_mem.transform import FSDPMemoryTransform
+
+    transforms = [FSDPMemoryTransform()] if mem else []
+    jitted = thunder.jit(_gpt(spec, rank, dtype), executors=runtime.executors(executors), transforms=transforms)
+    if shard is not None:
+        jitted = runtime.thunder_fsdp(jitted, shard=shard, device=rank.device)
+    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted)
+
+
+def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    gpt = _gpt(spec, rank, dtype)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    reshard = shard == "zero3"
+    for block in gpt.transformer.h:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
+    for module in (gpt.lm_head, gpt.transformer.wte, gpt.transformer.ln_f):
+        fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(gpt, mp_policy=policy, reshard_after_forward=reshard)
+    optimizer = _adamw(gpt)
+    backend = None
+    model: torch.nn.Module = gpt
+    if compiler is not None and compiler[0] == "thunder":
+        from thunder.dynamo import ThunderCompiler
+
+        from thunder_fsdp_mem.transform import FSDPMemoryTransform
+
+        _, executors, mem = compiler
+        transforms = [FSDPMemoryTransform()] if mem else []  # a fresh list: ThunderCompiler appends to it
+        backend = ThunderCompiler(executors=runtime.executors(executors), transforms=transforms)
+        model = torch.compile(gpt, backend=backend)
+    elif compiler is not None:
+        model = torch.compile(gpt)
+    return Trainer(mode, model, optimizer, backend=backend)
+
+
+def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:
+    import functools
+
+    from litgpt.model import Block
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    gpt = _gpt(spec, rank, dtype)
+    strategy = ShardingStrategy.FULL_SHARD if shard == "zero3" else ShardingStrategy.SHARD_GRAD_OP
+    wrapped = FullyShardedDataParallel(
+        gpt, sharding_strategy=strategy, use_orig_params=True, device_id=rank.device,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+    )
+    return Trainer(mode, torch.compile(wrapped), _adamw(wrapped))
+
+
+def _plain(mode, spec, rank, dtype, *, compile_: bool) -> Trainer:
+    gpt = _gpt(spec, rank, dtype)
+    return Trainer(mode, torch.compile(gpt) if compile_ else gpt, _adamw(gpt))
