@@ -9,7 +9,7 @@ Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forwa
 the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_allocated``,
 ``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: MemTracker's peak and
 nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
-estimate is ``estimate_step`` plus the optimizer's state. Rows are the maximum over ranks.
+estimate is ``estimate_step`` with the eager loss and the optimizer's state. Rows are the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -297,16 +297,13 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
 
 
 def _estimate(trainer) -> int | None:
-    """``estimate_step`` of the ThunderModule plus the optimizer's state, where the mode has a ThunderModule."""
+    """``estimate_step`` of the ThunderModule, with the eager cross-entropy and the optimizer's state, where the
+    mode has a ThunderModule."""
     if trainer.jitted is None:
         return None
     from thunder_fsdp_mem import estimate_step
 
-    state = sum(
-        t.untyped_storage().nbytes()
-        for s in trainer.optimizer.state.values() for t in s.values() if hasattr(t, "untyped_storage")
-    )
-    return estimate_step(trainer.jitted).peak_bytes + state
+    return estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer).peak_bytes
 
 
 if __name__ == "__main__":

@@ -45,3 +45,35 @@ def test_function_that_has_not_run_is_an_error():
 def test_plain_function_is_a_type_error():
     with pytest.raises(TypeError, match="thunder.jit"):
         estimate_step(lambda x: x)
+
+
+def test_eager_loss_and_optimizer_state_match_memtracker():
+    # The loss computed eagerly on the logits, as Thunder's benchmark does, with AdamW's state alive.
+    spec = BY_NAME["neox"]
+    gpt = models.build(spec, dtype=torch.float32).gpt
+    idx, targets = models.batch(spec)
+    jitted = thunder.jit(gpt)
+    optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-3)
+
+    def forward_loss_backward(idx, targets):
+        logits = jitted(idx)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss.backward()
+        return loss
+
+    forward_loss_backward(idx, targets)
+    optimizer.step()  # the state exists from here on
+    optimizer.zero_grad(set_to_none=True)
+    measured = memtracker_peak(lambda *a: forward_loss_backward(*a).detach().requires_grad_(), idx, targets,
+                               tracked=(jitted, optimizer))
+    estimate = estimate_step(jitted, loss="cross_entropy", optimizer=optimizer)
+    params = list(jitted.parameters())
+    # AdamW: two float32 moments per parameter and a float32 step count per parameter.
+    assert estimate.optimizer_state_bytes == 2 * sum(p.numel() * 4 for p in params) + 4 * len(params)
+    assert abs(estimate.peak_bytes - measured) <= TOLERANCE * measured, (estimate.peak_bytes, measured)
+
+
+def test_unknown_loss_is_a_value_error():
+    jitted, _, _ = _jitted_step(BY_NAME["neox"], torch.float32)
+    with pytest.raises(ValueError, match="cross_entropy"):
+        estimate_step(jitted, loss="mse")

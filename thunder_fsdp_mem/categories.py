@@ -17,6 +17,7 @@ class Category(str, Enum):
     - ``COMM_BUFFER``: a buffer a collective reads or writes that is none of the above (all-reduce
       copies, bucketing buffers, the unsharded gradient a reduce-scatter reads).
     - ``OUTPUT``: the forward's own result (the loss, the logits) held by the caller until backward.
+    - ``OPTIMIZER_STATE``: the optimizer's state (AdamW's moments), alive through the step.
     """
 
     PARAMETER = "parameter"
@@ -27,3 +28,4 @@ class Category(str, Enum):
     GRADIENT = "gradient"
     COMM_BUFFER = "communication buffer"
     OUTPUT = "output"
+    OPTIMIZER_STATE = "optimizer state"

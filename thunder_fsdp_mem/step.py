@@ -12,10 +12,15 @@ The step is composed from the two execution traces of the last run:
 Tensors alive but not arguments of a trace (parameters that backward does not read, the caller's output) are
 added to that trace's timeline as a constant.
 
+Two things the caller does are modelled on request: ``loss="cross_entropy"`` is an eager
+``cross_entropy(output.reshape(-1, V), targets)`` on the forward's output between forward and backward (what
+Thunder's and litgpt's benchmarks do): its ``log_softmax`` is kept for its backward, which allocates the
+gradient of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) while both are alive.
+``optimizer=`` adds the optimizer's state, alive through the whole step. The optimizer step itself is not
+modelled.
+
 The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them on CPU and
-``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding). It ignores the optimizer step and any
-memory the caller allocates outside the jitted function (a loss computed eagerly on the logits, say): jit the
-loss with the model to account for it.
+``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class StepMemory:
     ``gradient_bytes``: the gradients alive after backward.
     ``live_at_peak``: allocations alive at the peak, the ones no trace mentions included; they add up to
     ``peak_bytes``.
+    ``loss_peak_bytes``: the peak of the eager loss (with ``loss=``); ``optimizer_state_bytes``: with
+    ``optimizer=``.
     """
 
     peak_bytes: int
@@ -57,13 +64,24 @@ class StepMemory:
     forward_outside_bytes: int
     backward_outside_bytes: int
     live_at_peak: tuple[Allocation, ...]
+    loss_peak_bytes: int = 0
+    optimizer_state_bytes: int = 0
 
 
-def estimate_step(fn) -> StepMemory:
+LOSSES = ("cross_entropy",)
+
+
+def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimizer | None = None) -> StepMemory:
     """Estimate the peak live tensor bytes of one forward and backward of ``fn``, a ``thunder.jit`` module or
-    function that has run at least once (its last run's traces are used)."""
+    function that has run at least once (its last run's traces are used).
+
+    ``loss``: None when the loss is part of ``fn``; ``"cross_entropy"`` when the caller computes it eagerly on
+    ``fn``'s output. ``optimizer``: whose state is alive through the step (None: no state)."""
+    if loss is not None and loss not in LOSSES:
+        raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
     forward_trace, backward_trace = _last_traces(fn)
     persistent = _persistent_tensors(fn, forward_trace)
+    state = _optimizer_state(optimizer)
     forward_args = _arg_names(forward_trace)
     forward = analyze(forward_trace, inputs={
         name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
@@ -75,7 +93,9 @@ def estimate_step(fn) -> StepMemory:
         for i in set(forward.outputs.values())
         if forward.allocations[i].category is not Category.OUTPUT and not forward.allocations[i].external
     )
-    phases = [("forward", forward, forward_outside)]
+    phases = [_Phase("forward", forward, [*forward_outside, *state])]
+    if loss is not None:
+        phases.append(_loss_phase(forward, [*forward_outside, *state]))
 
     backward = None
     gradient_bytes = 0
@@ -86,31 +106,94 @@ def estimate_step(fn) -> StepMemory:
                    if forward.allocations[i].name in persistent}
         held_outputs = [forward.allocations[i] for i in set(forward.outputs.values()) - received
                         if forward.allocations[i].category is Category.OUTPUT]
-        phases.append(("backward", backward, _outside(persistent, reached) + held_outputs))
+        phases.append(_Phase("backward", backward, [*_outside(persistent, reached), *held_outputs, *state]))
         gradient_bytes = sum(
             a.nbytes for a in backward.allocations if a.category is Category.GRADIENT and a.end is None
         )
 
-    peaks = [timeline.peak_bytes + sum(a.nbytes for a in outside) for _, timeline, outside in phases]
-    at = max(range(len(phases)), key=peaks.__getitem__)
-    phase, timeline, outside = phases[at]
-    live = sorted((*timeline.live_at_peak, *outside), key=lambda a: -a.nbytes)
+    by_name = {p.name: p for p in phases}
+    peak = max(phases, key=lambda p: p.peak_bytes)
     return StepMemory(
-        peak_bytes=peaks[at],
-        peak_phase=phase,
-        peak_index=timeline.peak_index,
-        peak_symbol=timeline.peak_symbol,
+        peak_bytes=peak.peak_bytes,
+        peak_phase=peak.name,
+        peak_index=peak.peak_index,
+        peak_symbol=peak.peak_symbol,
         persistent_bytes=sum(held.record.nbytes for held in _unique(persistent.values())),
-        forward_peak_bytes=peaks[0],
+        forward_peak_bytes=by_name["forward"].peak_bytes,
         saved_bytes=saved_bytes,
-        backward_peak_bytes=peaks[1] if backward is not None else 0,
+        backward_peak_bytes=by_name["backward"].peak_bytes if "backward" in by_name else 0,
         gradient_bytes=gradient_bytes,
         forward=forward,
         backward=backward,
-        forward_outside_bytes=sum(a.nbytes for a in phases[0][2]),
-        backward_outside_bytes=sum(a.nbytes for a in phases[1][2]) if backward is not None else 0,
-        live_at_peak=tuple(live),
+        forward_outside_bytes=by_name["forward"].outside_bytes,
+        backward_outside_bytes=by_name["backward"].outside_bytes if "backward" in by_name else 0,
+        live_at_peak=tuple(sorted(peak.live_at_peak, key=lambda a: -a.nbytes)),
+        loss_peak_bytes=by_name["loss"].peak_bytes if "loss" in by_name else 0,
+        optimizer_state_bytes=sum(a.nbytes for a in state),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    """One phase of the step: a trace's timeline (or the caller's loss) plus what is alive outside it."""
+
+    name: str
+    timeline: MemoryTimeline | None
+    outside: list[Allocation]
+    extra: tuple[Allocation, ...] = ()  # the loss phase's own allocations, alive at its peak
+
+    @property
+    def outside_bytes(self) -> int:
+        return sum(a.nbytes for a in self.outside)
+
+    @property
+    def peak_bytes(self) -> int:
+        inside = self.timeline.peak_bytes if self.timeline is not None else 0
+        return inside + self.outside_bytes + sum(a.nbytes for a in self.extra)
+
+    @property
+    def peak_index(self) -> int:
+        return self.timeline.peak_index if self.timeline is not None else -1
+
+    @property
+    def peak_symbol(self) -> str:
+        return self.timeline.peak_symbol if self.timeline is not None else "log_softmax_backward (eager loss)"
+
+    @property
+    def live_at_peak(self) -> tuple[Allocation, ...]:
+        inside = self.timeline.live_at_peak if self.timeline is not None else ()
+        return (*inside, *self.outside, *self.extra)
+
+
+def _loss_phase(forward: MemoryTimeline, outside: list[Allocation]) -> _Phase:
+    """Eager ``cross_entropy`` on the forward's output, at the end of its backward: everything the forward left
+    alive, the ``log_softmax`` it saved, the ``nll_loss`` gradient and the logits' gradient (same size each)."""
+    left = tuple(a for a in forward.allocations if a.end is None)
+    outputs = [a for a in left if a.category is Category.OUTPUT]
+    if len(outputs) != 1:
+        raise ValueError(f"loss='cross_entropy' needs a forward with one output; this one has {len(outputs)}")
+    logits = outputs[0]
+    extra = tuple(
+        Allocation(name, logits.nbytes, Category.TEMPORARY, logits.shape, logits.dtype, symbol, None, -1, None)
+        for name, symbol in (("log_softmax of the logits", "log_softmax (eager loss)"),
+                             ("gradient of nll_loss", "nll_loss_backward (eager loss)"),
+                             ("gradient of the logits", "log_softmax_backward (eager loss)"))
+    )
+    return _Phase("loss", None, [*left, *outside], extra)
+
+
+def _optimizer_state(optimizer) -> list[Allocation]:
+    if optimizer is None:
+        return []
+    records: dict[object, Allocation] = {}
+    for i, per_param in enumerate(optimizer.state.values()):
+        for key, t in per_param.items():
+            if isinstance(t, torch.Tensor):
+                records[_storage_key(t)] = Allocation(
+                    f"optimizer state {key} #{i}", t.untyped_storage().nbytes(), Category.OPTIMIZER_STATE,
+                    tuple(t.shape), str(t.dtype).removeprefix("torch."), "held outside the trace", None, -1, None,
+                    True)
+    return list(records.values())
 
 
 def _saved_specs(forward: MemoryTimeline) -> dict[str, InputSpec]:
