@@ -162,6 +162,10 @@ class _Walk:
         alloc = self.obj_alloc[obj]
         if alloc is not None:
             self._release(alloc)
+        self._clear(obj)
+
+    def _clear(self, obj: int) -> None:
+        """A collection drops its references to its members."""
         members = self.obj_members[obj]
         if members:
             self.obj_members[obj] = []
@@ -263,11 +267,8 @@ class _Walk:
             elif effect.kind is ops.Kind.CLEAR:
                 inside[i] = self.live
                 obj = self.obj_of.get(bsym.flat_proxy_args[0].name)
-                members = self.obj_members[obj] if obj is not None else None
-                if members:
-                    self.obj_members[obj] = []
-                    for m in members:
-                        self._decref(m)
+                if obj is not None:
+                    self._clear(obj)
             elif effect.kind is ops.Kind.RETURN:
                 self._return(bsym)
                 inside[i] = self.live

@@ -24,15 +24,10 @@ class TopAllocation:
 
 @dataclass(frozen=True, slots=True)
 class Report:
+    """What the report shows: the step's estimate, the bytes at the peak by category, the largest allocations."""
+
     title: str
-    peak_bytes: int
-    peak_phase: str
-    peak_symbol: str
-    persistent_bytes: int
-    forward_peak_bytes: int
-    saved_bytes: int
-    backward_peak_bytes: int
-    gradient_bytes: int
+    step: StepMemory
     by_category: tuple[tuple[Category, int], ...]
     top: tuple[TopAllocation, ...]
 
@@ -43,14 +38,7 @@ def build_report(step: StepMemory, *, title: str, top: int = 10) -> Report:
         by_category[a.category] = by_category.get(a.category, 0) + a.nbytes
     return Report(
         title=title,
-        peak_bytes=step.peak_bytes,
-        peak_phase=step.peak_phase,
-        peak_symbol=step.peak_symbol,
-        persistent_bytes=step.persistent_bytes,
-        forward_peak_bytes=step.forward_peak_bytes,
-        saved_bytes=step.saved_bytes,
-        backward_peak_bytes=step.backward_peak_bytes,
-        gradient_bytes=step.gradient_bytes,
+        step=step,
         by_category=tuple(sorted(by_category.items(), key=lambda kv: -kv[1])),
         top=tuple(
             TopAllocation(a.name, a.shape, a.dtype, a.nbytes, a.category, a.symbol, a.source)
@@ -59,45 +47,45 @@ def build_report(step: StepMemory, *, title: str, top: int = 10) -> Report:
     )
 
 
-def render_text(report: Report) -> str:
-    lines = [report.title, ""]
-    summary = [
-        ("persistent (parameters, buffers, inputs)", report.persistent_bytes),
-        ("forward peak", report.forward_peak_bytes),
-        ("saved for backward", report.saved_bytes),
-        ("backward peak", report.backward_peak_bytes),
-        ("gradients", report.gradient_bytes),
-        ("step peak", report.peak_bytes),
+def _summary(step: StepMemory) -> list[tuple[str, str, int]]:
+    """(label, JSON key, bytes) of the summary lines."""
+    return [
+        ("persistent (parameters, buffers, inputs)", "persistent_bytes", step.persistent_bytes),
+        ("forward peak", "forward_peak_bytes", step.forward_peak_bytes),
+        ("saved for backward", "saved_bytes", step.saved_bytes),
+        ("backward peak", "backward_peak_bytes", step.backward_peak_bytes),
+        ("gradients", "gradient_bytes", step.gradient_bytes),
+        ("step peak", "peak_bytes", step.peak_bytes),
     ]
-    width = max(len(k) for k, _ in summary)
-    lines += [f"  {k:<{width}}  {format_bytes(v):>12}" for k, v in summary]
+
+
+def render_text(report: Report) -> str:
+    step = report.step
+    summary = _summary(step)
+    width = max(len(label) for label, _, _ in summary)
+    lines = [report.title, ""]
+    lines += [f"  {label:<{width}}  {format_bytes(v):>12}" for label, _, v in summary]
     lines += ["", "At the peak, by category:"]
     lines += [f"  {c.value:<{width}}  {format_bytes(v):>12}" for c, v in report.by_category]
     lines += ["", f"Largest allocations alive at the peak (top {len(report.top)}):"]
-    header = f"  {'name':<24} {'shape':<22} {'dtype':<10} {'size':>12}  {'category':<20} {'symbol':<28} source"
-    lines.append(header)
+    lines.append(f"  {'name':<24} {'shape':<22} {'dtype':<10} {'size':>12}  {'category':<20} {'symbol':<28} source")
     for t in report.top:
         shape = "x".join(str(s) for s in t.shape) or "-"
         lines.append(
             f"  {t.name[:24]:<24} {shape[:22]:<22} {t.dtype[:10]:<10} {format_bytes(t.nbytes):>12}  "
             f"{t.category.value:<20} {t.symbol[:28]:<28} {_short(t.source)}"
         )
-    lines += ["", f"Peak per rank: {format_bytes(report.peak_bytes)} in the {report.peak_phase} at "
-                  f"{report.peak_symbol}"]
+    lines += ["", f"Peak per rank: {format_bytes(step.peak_bytes)} in the {step.peak_phase} at {step.peak_symbol}"]
     return "\n".join(lines)
 
 
 def render_json(report: Report) -> dict:
+    step = report.step
     return {
         "title": report.title,
-        "peak_bytes": report.peak_bytes,
-        "peak_phase": report.peak_phase,
-        "peak_symbol": report.peak_symbol,
-        "persistent_bytes": report.persistent_bytes,
-        "forward_peak_bytes": report.forward_peak_bytes,
-        "saved_bytes": report.saved_bytes,
-        "backward_peak_bytes": report.backward_peak_bytes,
-        "gradient_bytes": report.gradient_bytes,
+        **{key: value for _, key, value in _summary(step)},
+        "peak_phase": step.peak_phase,
+        "peak_symbol": step.peak_symbol,
         "by_category": {c.value: v for c, v in report.by_category},
         "top": [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
