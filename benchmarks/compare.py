@@ -10,18 +10,28 @@ the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_a
 ``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: MemTracker's peak and
 nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
 estimate is ``estimate_step`` with the eager loss and the optimizer's state. Rows are the maximum over ranks.
+
+``--jobs N`` runs up to N modes at once to save the minutes Thunder spends compiling 32 layers: each mode still
+has its own processes, and the modes take turns on the devices (a lock on the host), so a measurement never
+shares a GPU with another mode's work. Only compilation that touches no device, ``thunder.jit``'s, happens
+outside a mode's turn; Dynamo compiles as it runs, so those modes compile during their turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import difflib
+import fcntl
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +68,12 @@ def parser() -> argparse.ArgumentParser:
                    help="Thunder executors: its defaults, plus torch.compile for cat (the seed's setting)")
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="cap each rank's GPU memory at this many GB (80 emulates an H100); OOM becomes a row")
-    p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="modes run at once; they take turns on the devices, only thunder.jit compiles meanwhile")
+    p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON (after each mode)")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart of peak memory per mode (PNG or SVG)")
     p.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
+    p.add_argument("--turn-lock", metavar="PATH", help=argparse.SUPPRESS)
     return p
 
 
@@ -73,7 +86,7 @@ def validate(args) -> list[str]:
         close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else ""
         raise UsageError(f"unknown model {args.model!r}{hint}")
-    for field in ("nproc_per_node", "block_size", "micro_batch_size", "steps"):
+    for field in ("nproc_per_node", "block_size", "micro_batch_size", "steps", "jobs"):
         if getattr(args, field) < 1:
             raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
     if args.warmup < 0:
@@ -96,29 +109,42 @@ def validate(args) -> list[str]:
     return chosen
 
 
-def run_all(args, chosen: list[str]) -> list[dict]:
-    rows = []
-    for i, mode in enumerate(chosen, start=1):
+def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
+    """One row per mode, in the order of ``chosen``; ``on_row`` sees the rows finished so far after each mode."""
+    rows: dict[str, dict] = {}
+    total = len(chosen)
+
+    def progress(i: int, mode: str, text: str) -> None:
+        sys.stderr.write(f"[{i}/{total}] {mode}: {text}\n")  # one write per line: modes may run at once
+        sys.stderr.flush()
+
+    def one(i: int, mode: str) -> dict:
         if mode in mode_table.CUDA_ONLY and args.device != "cuda":
-            rows.append(_row(mode, status="skipped: needs CUDA"))
-            print(f"[{i}/{len(chosen)}] {mode}: skipped (needs CUDA)", file=sys.stderr, flush=True)
-            continue
+            progress(i, mode, "skipped (needs CUDA)")
+            return _row(mode, status="skipped: needs CUDA")
         nproc = 1 if mode in mode_table.SINGLE_MODES else args.nproc_per_node
-        print(f"[{i}/{len(chosen)}] {mode}: running on {nproc} rank(s), compiling first...", file=sys.stderr,
-              flush=True)
+        progress(i, mode, f"running on {nproc} rank(s), compiling first...")
         start = time.perf_counter()
-        row = _run_mode(args, mode, nproc)
-        took = time.perf_counter() - start
+        row = _run_mode(args, mode, nproc, lock)
         peak = format_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "-"
-        print(f"[{i}/{len(chosen)}] {mode}: {row['status']}, peak {peak} ({took:.0f} s)", file=sys.stderr,
-              flush=True)
-        rows.append(row)
-    return rows
+        progress(i, mode, f"{row['status']}, peak {peak} ({time.perf_counter() - start:.0f} s)")
+        return row
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = str(Path(tmp) / "turn.lock") if args.jobs > 1 else None
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {pool.submit(one, i, mode): mode for i, mode in enumerate(chosen, start=1)}
+            for future in concurrent.futures.as_completed(futures):
+                rows[futures[future]] = future.result()
+                on_row([rows[m] for m in chosen if m in rows])
+    return [rows[m] for m in chosen]
 
 
-def _run_mode(args, mode: str, nproc: int) -> dict:
+def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), "--worker", mode, *_forwarded(args)]
+    if lock is not None:
+        cmd += ["--turn-lock", lock]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     ranks = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -146,7 +172,7 @@ def _last_line(text: str) -> str:
 
 def _row(mode: str, *, status: str, **fields) -> dict:
     row = {"mode": mode, "peak_bytes": None, "reserved_bytes": None, "alloc_retries": None, "step_ms": None,
-           "tokens_per_s": None, "estimated_peak_bytes": None, "status": status}
+           "tokens_per_s": None, "estimated_peak_bytes": None, "status": status, "setup_s": None}
     row.update(fields)
     return row
 
@@ -163,7 +189,8 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
 
     return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
                 alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
-                tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"))
+                tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"),
+                setup_s=worst("setup_s"))
 
 
 def table(rows: list[dict]) -> str:
@@ -216,11 +243,14 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
-    rows = run_all(args, chosen)
-    config = {k: v for k, v in vars(args).items() if k not in ("worker", "json", "plot")}
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "turn_lock", "json", "plot", "jobs")}
+
+    def save(rows):
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": config, "rows": rows}, indent=1))
+
+    rows = run_all(args, chosen, on_row=save)
     print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "rows": rows}, indent=1))
     if args.plot:
         title = f"{args.model}, {args.block_size} tokens, {args.shard}, {args.nproc_per_node} rank(s)"
         plot(rows, args.plot, title)
@@ -230,14 +260,19 @@ def main(argv=None) -> int:
 # --- one mode, on every rank -------------------------------------------------------------------------------------
 
 def worker(args) -> int:
+    """Build, compile where that touches no device, then in this mode's turn warm up and measure. Prints one
+    ``RESULT`` line; a rank that fails exits non-zero so that ``torchrun`` stops the others instead of leaving
+    them waiting in a collective."""
     import torch
 
     from thunder_fsdp_mem import models, runtime
 
+    started = time.perf_counter()
     rank = runtime.init_distributed(args.device)
     result = {"mode": args.worker, "rank": rank.rank, "peak_bytes": None, "reserved_bytes": None,
-              "alloc_retries": None, "step_ms": None, "tokens_per_s": None, "estimated_peak_bytes": None}
-    try:
+              "alloc_retries": None, "step_ms": None, "tokens_per_s": None, "estimated_peak_bytes": None,
+              "setup_s": None, "status": "ok"}
+    with _failures_as_status(result):
         if args.memory_cap_gb is not None and args.device == "cuda":
             total = torch.cuda.get_device_properties(rank.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
@@ -246,18 +281,66 @@ def worker(args) -> int:
                                    dtype=models.DTYPES[args.dtype])
         idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device,
                                     seed=rank.rank)
-        for _ in range(args.warmup):
-            trainer.step(idx, targets)
-        result.update(_measure(args, trainer, idx, targets, rank))
-        result["status"] = "ok"
-    except torch.OutOfMemoryError:
-        result["status"] = "OOM"
-    except Exception as e:  # noqa: BLE001 - a failing mode is a row, the other modes still run
-        result["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        trainer.precompile(idx)
+    setup_s = time.perf_counter() - started
+    with _turn(args.turn_lock, rank, result):
+        if result["status"] == "ok":
+            with _failures_as_status(result):
+                turn_started = time.perf_counter()
+                for _ in range(args.warmup):
+                    trainer.step(idx, targets)
+                result["setup_s"] = setup_s + time.perf_counter() - turn_started
+                result.update(_measure(args, trainer, idx, targets, rank))
     print("RESULT " + json.dumps(result), flush=True)
+    if result["status"] != "ok":
+        return 1
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
+
+
+@contextmanager
+def _failures_as_status(result: dict):
+    """A failing mode is a row (OOM, or the error's first line); the other modes still run."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        result["status"] = "OOM"
+    except Exception as e:  # noqa: BLE001
+        result["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+@contextmanager
+def _turn(lock_path: str | None, rank, result: dict):
+    """This mode's turn on the devices, with ``--jobs``: rank 0 holds an exclusive lock on the host's lock file
+    and tells the other ranks through the process group's store; it lets go once every rank is done, or at once
+    if it failed (it then exits, ``torchrun`` stops the others, and the lock goes with the processes)."""
+    if lock_path is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    handle = None
+    if rank.rank == 0:
+        handle = open(lock_path, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if store is not None:
+            store.set("compare/turn", "1")
+    else:
+        store.wait(["compare/turn"], timedelta(hours=12))
+    try:
+        yield
+    finally:
+        if store is not None:
+            store.add("compare/done", 1)
+        if handle is not None:
+            while result["status"] == "ok" and store is not None and store.add("compare/done", 0) < rank.world_size:
+                time.sleep(0.05)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
 
 def _measure(args, trainer, idx, targets, rank) -> dict:

@@ -52,6 +52,21 @@ def test_mem_rows_equal_the_rows_without_the_transform_today(comparison):
     assert rows["thunder-fsdp"]["estimated_peak_bytes"] > 0
 
 
+def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path):
+    # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; MemTracker's peaks must be
+    # those of the modes run one after the other.
+    out = tmp_path / "jobs.json"
+    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "2",
+                "--block-size", "128", "--steps", "1", "--warmup", "1", "--modes", "thunder-fsdp,fsdp2-eager",
+                "--jobs", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone = {r["mode"]: r for r in comparison[0]["rows"]}
+    for row in json.loads(out.read_text())["rows"]:
+        assert row["status"] == "ok", row
+        assert row["peak_bytes"] == alone[row["mode"]]["peak_bytes"], row["mode"]
+        assert row["setup_s"] > 0
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -59,6 +74,7 @@ def test_mem_rows_equal_the_rows_without_the_transform_today(comparison):
         (["--modes", "thunder-fsdp,nope", "--device", "cpu"], "valid modes: thunder-fsdp"),
         (["--device", "cuda", "--nproc-per-node", "64"], "GPUs present"),
         (["--steps", "0", "--device", "cpu"], "--steps must be at least 1"),
+        (["--jobs", "0", "--device", "cpu"], "--jobs must be at least 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):

@@ -40,6 +40,17 @@ class Trainer:
     jitted: torch.nn.Module | None = None
     backend: object | None = None
 
+    def precompile(self, idx: torch.Tensor) -> bool:
+        """Compile for ``idx`` without running anything on the device, where the compiler can: ``thunder.jit``
+        traces and transforms on proxies, so the first step then finds its program in the cache. Dynamo compiles
+        while it runs the step, so the other modes compile in their first step. True if it compiled here."""
+        if self.jitted is None:
+            return False
+        import thunder
+
+        thunder.compile_data(self.jitted).get_computation_and_inputs(idx)
+        return True
+
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(idx)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
