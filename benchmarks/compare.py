@@ -179,13 +179,13 @@ def _row(mode: str, *, status: str, **fields) -> dict:
 
 def _merge(mode: str, ranks: list[dict]) -> dict:
     """One row from every rank's: the maximum over ranks; a failure on any rank is the row's status."""
-    bad = [r["status"] for r in ranks if r["status"] != "ok"]
-    if bad:
-        return _row(mode, status="OOM" if "OOM" in bad else bad[0])
-
     def worst(key):
         values = [r[key] for r in ranks if r[key] is not None]
         return max(values) if values else None
+
+    bad = [r["status"] for r in ranks if r["status"] != "ok"]
+    if bad:  # what it would have needed, where the traces tell
+        return _row(mode, status="OOM" if "OOM" in bad else bad[0], estimated_peak_bytes=worst("estimated_peak_bytes"))
 
     return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
                 alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
@@ -282,6 +282,7 @@ def worker(args) -> int:
         idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device,
                                     seed=rank.rank)
         trainer.precompile(idx)
+        result["estimated_peak_bytes"] = _estimate(trainer)  # from the traces alone: OOM rows get one too
     setup_s = time.perf_counter() - started
     with _turn(args.turn_lock, rank, result):
         if result["status"] == "ok":
@@ -375,13 +376,12 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
     step_s = statistics.median(times)
     return {"peak_bytes": int(peak), "reserved_bytes": reserved, "alloc_retries": retries,
             "step_ms": step_s * 1e3,
-            "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s,
-            "estimated_peak_bytes": _estimate(trainer)}
+            "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s}
 
 
 def _estimate(trainer) -> int | None:
-    """``estimate_step`` of the ThunderModule, with the eager cross-entropy and the optimizer's state, where the
-    mode has a ThunderModule."""
+    """``estimate_step`` of the ThunderModule, compiled but not yet run, with the eager cross-entropy and the state
+    the optimizer will hold, where the mode has a ThunderModule."""
     if trainer.jitted is None:
         return None
     from thunder_fsdp_mem import estimate_step

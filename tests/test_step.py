@@ -73,6 +73,28 @@ def test_eager_loss_and_optimizer_state_match_memtracker():
     assert abs(estimate.peak_bytes - measured) <= TOLERANCE * measured, (estimate.peak_bytes, measured)
 
 
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-3),
+    lambda params: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
+], ids=["adamw", "adam-amsgrad"])
+def test_adam_state_before_its_first_step_is_the_state_it_creates(make):
+    jitted, idx, targets = _jitted_step(BY_NAME["llama"], torch.bfloat16)
+    optimizer = make(jitted.parameters())
+    before = estimate_step(jitted, optimizer=optimizer)
+    jitted(idx, targets).backward()
+    optimizer.step()  # the real state is created here
+    after = estimate_step(jitted, optimizer=optimizer)
+    assert before.optimizer_state_bytes == after.optimizer_state_bytes > 0
+    assert before.peak_bytes == after.peak_bytes
+
+
+def test_other_optimizers_without_state_warn_and_count_nothing():
+    jitted, _, _ = _jitted_step(BY_NAME["neox"], torch.float32)
+    with pytest.warns(UserWarning, match="SGD has no state yet"):
+        estimate = estimate_step(jitted, optimizer=torch.optim.SGD(jitted.parameters(), lr=0.1, momentum=0.9))
+    assert estimate.optimizer_state_bytes == 0
+
+
 def test_unknown_loss_is_a_value_error():
     jitted, _, _ = _jitted_step(BY_NAME["neox"], torch.float32)
     with pytest.raises(ValueError, match="cross_entropy"):

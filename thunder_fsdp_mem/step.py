@@ -16,8 +16,8 @@ Two things the caller does are modelled on request: ``loss="cross_entropy"`` is 
 ``cross_entropy(output.reshape(-1, V), targets)`` on the forward's output between forward and backward (what
 Thunder's and litgpt's benchmarks do): its ``log_softmax`` is kept for its backward, which allocates the
 gradient of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) while both are alive.
-``optimizer=`` adds the optimizer's state, alive through the whole step. The optimizer step itself is not
-modelled.
+``optimizer=`` adds the optimizer's state, alive through the whole step; before its first step Adam and AdamW
+have none yet, and the state they will create is counted instead. The optimizer step itself is not modelled.
 
 The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them on CPU and
 ``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding).
@@ -25,6 +25,7 @@ The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.Mem
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,8 @@ def _loss_phase(forward: MemoryTimeline, outside: list[Allocation]) -> _Phase:
 def _optimizer_state(optimizer) -> list[Allocation]:
     if optimizer is None:
         return []
+    if not optimizer.state:
+        return _anticipated_adam_state(optimizer)
     records: dict[object, Allocation] = {}
     for i, per_param in enumerate(optimizer.state.values()):
         for key, t in per_param.items():
@@ -194,6 +197,27 @@ def _optimizer_state(optimizer) -> list[Allocation]:
                     tuple(t.shape), str(t.dtype).removeprefix("torch."), "held outside the trace", None, -1, None,
                     True)
     return list(records.values())
+
+
+def _anticipated_adam_state(optimizer) -> list[Allocation]:
+    """The state Adam and AdamW create in their first step: ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
+    with amsgrad) shaped like each parameter that requires a gradient, and a float32 ``step``. Other optimizers
+    without state yet: none, with a warning (their state is counted once it exists)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        warnings.warn(f"estimate_step: {type(optimizer).__name__} has no state yet and its state is not "
+                      "anticipated; run one optimizer step first to count it", stacklevel=3)
+        return []
+    records = []
+    params = [(group, p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for i, (group, param) in enumerate(params):
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+        for key in keys:
+            records.append(Allocation(
+                f"optimizer state {key} #{i}", param.numel() * param.element_size(), Category.OPTIMIZER_STATE,
+                tuple(param.shape), str(param.dtype).removeprefix("torch."), "anticipated", None, -1, None, True))
+        records.append(Allocation(f"optimizer state step #{i}", 4, Category.OPTIMIZER_STATE, (), "float32",
+                                  "anticipated", None, -1, None, True))
+    return records
 
 
 def _saved_specs(forward: MemoryTimeline) -> dict[str, InputSpec]:
