@@ -12,9 +12,13 @@ nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, p
 estimate is ``estimate_step`` with the eager loss and the optimizer's state. Rows are the maximum over ranks.
 
 ``--jobs N`` runs up to N modes at once to save the minutes Thunder spends compiling 32 layers: each mode still
-has its own processes, and the modes take turns on the devices (a lock on the host), so a measurement never
-shares a GPU with another mode's work. Only compilation that touches no device, ``thunder.jit``'s, happens
-outside a mode's turn; Dynamo compiles as it runs, so those modes compile during their turn.
+has its own processes, and the modes take turns on the devices (a lock on the host): one mode warms up and is
+measured at a time. A ``thunder.jit`` mode builds and compiles before its turn (compilation runs on the host),
+then moves its parameters to host memory while it waits; Dynamo compiles as it runs, so those modes do
+everything in their turn. What a waiting mode still holds on a device (its CUDA context, and a Thunder mode's
+parameters while it compiles) can only make another mode fail or retry allocations, never change its peak: such
+a mode is measured again alone at the end. Per-process peaks do not depend on the other processes; step times
+can, a little, through the host's CPUs.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
         sys.stderr.write(f"[{i}/{total}] {mode}: {text}\n")  # one write per line: modes may run at once
         sys.stderr.flush()
 
-    def one(i: int, mode: str) -> dict:
+    def one(i: int, mode: str, lock: str | None) -> dict:
         if mode in mode_table.CUDA_ONLY and args.device != "cuda":
             progress(i, mode, "skipped (needs CUDA)")
             return _row(mode, status="skipped: needs CUDA")
@@ -133,10 +137,18 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         lock = str(Path(tmp) / "turn.lock") if args.jobs > 1 else None
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(one, i, mode): mode for i, mode in enumerate(chosen, start=1)}
+            futures = {pool.submit(one, i, mode, lock): mode for i, mode in enumerate(chosen, start=1)}
             for future in concurrent.futures.as_completed(futures):
                 rows[futures[future]] = future.result()
                 on_row([rows[m] for m in chosen if m in rows])
+    # Waiting modes hold little device memory, but not none (their contexts; the parameters of a Thunder mode while
+    # it compiles): a failure, or an allocation that had to be retried, is measured again with the devices alone.
+    for i, mode in enumerate(chosen, start=1):
+        row = rows[mode]
+        if lock is not None and (row["status"] not in ("ok", "skipped: needs CUDA") or row["alloc_retries"]):
+            progress(i, mode, "measuring again alone (it failed or retried allocations beside other modes)")
+            rows[mode] = one(i, mode, None)
+            on_row([rows[m] for m in chosen])
     return [rows[m] for m in chosen]
 
 
@@ -260,37 +272,41 @@ def main(argv=None) -> int:
 # --- one mode, on every rank -------------------------------------------------------------------------------------
 
 def worker(args) -> int:
-    """Build, compile where that touches no device, then in this mode's turn warm up and measure. Prints one
-    ``RESULT`` line; a rank that fails exits non-zero so that ``torchrun`` stops the others instead of leaving
-    them waiting in a collective."""
+    """Build, compile and warm up, then measure. With ``--jobs``, a mode that compiles without the device
+    (``thunder.jit``) builds and compiles before its turn, then parks its parameters in host memory so that it
+    holds no device memory while it waits; every other mode does everything in its turn. Prints one ``RESULT``
+    line; a rank that fails exits non-zero so that ``torchrun`` stops the others instead of leaving them waiting in
+    a collective."""
     import torch
 
-    from thunder_fsdp_mem import models, runtime
+    from thunder_fsdp_mem import runtime
 
     started = time.perf_counter()
     rank = runtime.init_distributed(args.device)
     result = {"mode": args.worker, "rank": rank.rank, "peak_bytes": None, "reserved_bytes": None,
               "alloc_retries": None, "step_ms": None, "tokens_per_s": None, "estimated_peak_bytes": None,
               "setup_s": None, "status": "ok"}
-    with _failures_as_status(result):
-        if args.memory_cap_gb is not None and args.device == "cuda":
-            total = torch.cuda.get_device_properties(rank.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
-        spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-        trainer = mode_table.build(args.worker, spec, rank, shard=args.shard, executors=args.executors,
-                                   dtype=models.DTYPES[args.dtype])
-        idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device,
-                                    seed=rank.rank)
-        trainer.precompile(idx)
-        result["estimated_peak_bytes"] = _estimate(trainer)  # from the traces alone: OOM rows get one too
-    setup_s = time.perf_counter() - started
+    if args.memory_cap_gb is not None and args.device == "cuda":
+        total = torch.cuda.get_device_properties(rank.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
+    ahead = args.turn_lock is not None and args.worker in mode_table.COMPILES_AHEAD
+    setup = None
+    if ahead:
+        with _failures_as_status(result):
+            setup = _setup(args, rank, result)
+            setup[0].park()
+    waited = time.perf_counter()
     with _turn(args.turn_lock, rank, result):
+        waited = time.perf_counter() - waited
         if result["status"] == "ok":
             with _failures_as_status(result):
-                turn_started = time.perf_counter()
+                if setup is None:
+                    setup = _setup(args, rank, result)
+                trainer, idx, targets = setup
+                trainer.unpark(rank.device)
                 for _ in range(args.warmup):
                     trainer.step(idx, targets)
-                result["setup_s"] = setup_s + time.perf_counter() - turn_started
+                result["setup_s"] = time.perf_counter() - started - waited
                 result.update(_measure(args, trainer, idx, targets, rank))
     print("RESULT " + json.dumps(result), flush=True)
     if result["status"] != "ok":
@@ -298,6 +314,20 @@ def worker(args) -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _setup(args, rank, result: dict):
+    """The mode's model, optimizer and batch; compiled ahead where the compiler allows, and estimated from the
+    compiled traces (so that an OOM row still says what it needed)."""
+    from thunder_fsdp_mem import models
+
+    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    trainer = mode_table.build(args.worker, spec, rank, shard=args.shard, executors=args.executors,
+                               dtype=models.DTYPES[args.dtype])
+    idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
+    trainer.precompile(idx)
+    result["estimated_peak_bytes"] = _estimate(trainer)
+    return trainer, idx, targets
 
 
 @contextmanager

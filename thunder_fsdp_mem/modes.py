@@ -21,6 +21,7 @@ DISTRIBUTED_MODES = (
 )
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "eager")
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
+COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
 BASELINE = "fsdp2-inductor"
 
 
@@ -50,6 +51,23 @@ class Trainer:
 
         thunder.compile_data(self.jitted).get_computation_and_inputs(idx)
         return True
+
+    def park(self) -> None:
+        """Move the parameters and buffers to host memory and give the device's cached memory back, so that the
+        process holds no device memory while it waits (before its first step: there is no optimizer state yet).
+        The tensors keep their identity: compiled programs and the optimizer still refer to them."""
+        self._move(torch.device("cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def unpark(self, device: torch.device) -> None:
+        """Undo ``park``: parameters and buffers back on ``device`` (nothing to do where they already are)."""
+        self._move(device)
+
+    def _move(self, device: torch.device) -> None:
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            if t.device != device:
+                t.data = t.data.to(device)
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(idx)
