@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryConfig:
     """Options of ``FSDPMemoryTransform``.
 
+    rematerialize: choose what the forward saves for backward by a minimum cut, recomputing cheap ops in
+        backward (``recompute.py``).
     strict: raise instead of warning when a trace is not understood or a rewrite fails its checks (a warning
         returns the trace unchanged).
     """
 
+    rematerialize: bool = True
     strict: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.strict, bool):
-            raise ValueError(f"MemoryConfig.strict must be a bool, got {self.strict!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"MemoryConfig.{f.name} must be a bool (True or False), got {value!r}")

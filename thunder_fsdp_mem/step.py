@@ -81,8 +81,18 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
     if loss is not None and loss not in LOSSES:
         raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
     forward_trace, backward_trace = _last_traces(fn)
-    persistent = _persistent_tensors(fn, forward_trace)
-    state = _optimizer_state(optimizer)
+    return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
+                    _optimizer_state(optimizer), loss)
+
+
+def estimate_traces(forward_trace, backward_trace=None) -> StepMemory:
+    """The same estimate from a forward execution trace and its backward alone (what a transform sees): the
+    tensors alive before the step are the forward's tensor arguments; no loss outside the traces, no optimizer."""
+    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), [], None)
+
+
+def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None
+             ) -> StepMemory:
     forward_args = _arg_names(forward_trace)
     forward = analyze(forward_trace, inputs={
         name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)

@@ -1,0 +1,63 @@
+"""Checks every rewrite must pass before the transform keeps it: the trace is still a valid program (each name
+defined before it is read, never read after its ``del``), it returns the same things, and it issues the same
+collectives in the same order (every rank must)."""
+
+from __future__ import annotations
+
+from thunder.core.prims import PrimIDs
+from thunder.core.trace import TraceCtx
+
+from thunder_fsdp_mem import ops
+
+
+class CheckError(ValueError):
+    """A rewritten trace failed a check; the message says which and where."""
+
+
+def check_program(trace: TraceCtx) -> None:
+    """Every proxy a symbol reads is a trace argument or an earlier output, and has not been deleted."""
+    alive = set(ops.proxy_names(trace.args)) | set(ops.proxy_names(trace.kwargs))
+    deleted: dict[str, int] = {}
+    for i, bsym in enumerate(trace.bound_symbols):
+        for a in bsym.flat_proxy_args:
+            if a.name in alive:
+                continue
+            if a.name in deleted:
+                raise CheckError(f"symbol {i} ({bsym.sym.name}) reads {a.name} after its del at symbol {deleted[a.name]}")
+            raise CheckError(f"symbol {i} ({bsym.sym.name}) reads {a.name} before anything defines it")
+        if bsym.sym.id == PrimIDs.DEL:
+            for a in bsym.flat_proxy_args:
+                alive.discard(a.name)
+                deleted[a.name] = i
+            continue
+        alive.update(o.name for o in bsym.flat_proxy_outs)
+
+
+def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False) -> None:
+    """Both traces return the same proxies; with ``ignore_saved`` (an augmented forward), the saved-for-backward
+    part of the return may differ."""
+    def returned(trace):
+        out = trace.bound_symbols[-1]
+        if out.sym.id != PrimIDs.RETURN:
+            raise CheckError("the trace does not end in its return")
+        args = out.args[0] if ignore_saved else out.args
+        return ops.proxy_names(args)
+
+    if returned(before) != returned(after):
+        raise CheckError("the rewritten trace returns different values")
+
+
+def check_same_collectives(before: TraceCtx, after: TraceCtx) -> None:
+    """The same collectives, with the same arguments, in the same order."""
+    def collectives(trace):
+        return [(ops.sym_id(b), tuple(ops.proxy_names(b.args))) for b in trace.bound_symbols
+                if ops.sym_id(b) in ops.COLLECTIVES]
+
+    if collectives(before) != collectives(after):
+        raise CheckError("the rewritten trace issues different collectives or issues them in another order")
+
+
+def check_rewrite(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False) -> None:
+    check_program(after)
+    check_same_result(before, after, ignore_saved=ignore_saved)
+    check_same_collectives(before, after)

@@ -1,0 +1,268 @@
+"""Choose what the forward saves for backward, and recompute the rest in backward.
+
+``plan_saved(forward) -> SavePlan`` reads a forward execution trace (Thunder's augmented forward, which returns
+``(outputs, (saved tensors, saved others))``) and finds the set of tensors to save that minimises saved bytes,
+such that everything the backward receives today can be rebuilt in backward from the saved tensors by cheap ops.
+It is a minimum cut over the forward's data flow:
+
+- every tensor ``v`` is two nodes, ``v.in`` and ``v.out``, joined by an edge whose capacity is the cost of saving
+  ``v`` (its bytes; nothing for the forward's inputs, which the caller holds anyway: parameters, under FSDP2 the
+  gathered parameters that FSDP2 itself frees and re-gathers, the step's inputs);
+- a recomputable op joins each tensor argument's ``out`` to each output's ``in`` with unbounded capacity: a
+  tensor recomputed in backward needs its arguments there;
+- the source feeds the ``in`` of every tensor that cannot be recomputed (inputs; outputs of matmuls, attention,
+  collectives, random and unknown ops); every tensor the backward receives today feeds the sink.
+
+Cut edges ``v.in -> v.out`` are the tensors to save; tensors whose ``in`` falls on the sink's side are
+recomputed in backward, in forward order, by copies of the forward's own bound symbols: the same executor
+calls on the same values, so the backward computes bit for bit what it did before. Ties go to the tensors saved
+today, so nothing is recomputed for nothing.
+
+``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
+saved tensors; the backward unpacks them and recomputes the rest just before their first use; ``del``s and
+collection clears are placed again by Thunder's ``del_last_used``. Both functions are pure.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import networkx as nx
+from thunder.core import prims
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.pytree import tree_map
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
+from thunder.executors.passes import del_last_used
+
+from thunder_fsdp_mem import ops
+
+# Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
+# factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
+RECOMPUTABLE_OPS = (
+    ops.ELEMENTWISE_OPS
+    | (ops.VIEW_OPS - ops.WAITS)
+    | ops.RESHAPE_OPS
+    | frozenset({
+        "convert_element_type", "broadcast_in_dim", "cat", "torch_pad_prim_impl", "pad", "arange", "full",
+        "sum", "var_mean", "mean", "var", "amax", "amin", "prod", "contiguous", "rsqrt", "neg",
+    })
+)
+
+_SOURCE, _SINK = "source", "sink"
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What the forward saves and what the backward recomputes.
+
+    saved: names of the tensors the forward returns for backward, in order.
+    recompute: indices, in the forward's bound symbols, of the symbols the backward runs again (forward order).
+    before_bytes / after_bytes: saved bytes beyond the forward's inputs, today and with the plan.
+    """
+
+    saved: tuple[str, ...]
+    recompute: tuple[int, ...]
+    before_bytes: int
+    after_bytes: int
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.recompute)
+
+
+class PlanError(ValueError):
+    """The trace is not a forward this pass understands, or the plan does not hold together."""
+
+
+def saved_tensors(forward: TraceCtx) -> tuple[TensorProxy, ...]:
+    """The tensors an augmented forward returns for backward."""
+    ret = forward.bound_symbols[-1]
+    if ret.sym.id != PrimIDs.RETURN or len(ret.args) != 2 or not isinstance(ret.args[1], tuple | list) \
+            or len(ret.args[1]) != 2:
+        raise PlanError("the forward trace does not end in return(outputs, (saved tensors, saved others))")
+    return tuple(ret.args[1][0])
+
+
+def recomputable(bsym) -> bool:
+    """True for ops this pass may run again in backward: a cheap deterministic op, or a fusion of such ops, whose
+    arguments are all tensors or constants."""
+    if any(not isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
+        return False  # futures, numbers and collections the backward would not have
+    if ops.is_fusion(bsym):
+        return bool(bsym.subsymbols) and all(recomputable(s) for s in bsym.subsymbols)
+    return ops.sym_id(bsym) in RECOMPUTABLE_OPS
+
+
+def plan_saved(forward: TraceCtx) -> SavePlan:
+    """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring)."""
+    saved = saved_tensors(forward)
+    bsyms = forward.bound_symbols
+    producer: dict[str, int] = {}
+    inputs: set[str] = set()
+    written: set[str] = set()  # destinations of in-place copies: their value changes, never recompute from them
+    for i, bsym in enumerate(bsyms):
+        sid = bsym.sym.id
+        if sid in ops.UNPACK_IDS:
+            inputs.update(o.name for o in bsym.flat_proxy_outs)
+            continue
+        if sid in (PrimIDs.DEL, PrimIDs.RETURN):
+            continue
+        if ops.sym_id(bsym) in ("copy_", "torch_copy__prim_impl") or sid == PrimIDs.COPY_:
+            written.update(a.name for a in bsym.flat_proxy_args)
+        for o in bsym.flat_proxy_outs:
+            producer.setdefault(o.name, i)
+    inputs.update(a.name for a in forward.args if isinstance(a, Proxy))
+
+    required = {t.name for t in saved}
+    today = sum(ops.nbytes(t) for t in saved if t.name not in inputs)
+    graph = nx.DiGraph()
+    tensors: dict[str, TensorProxy] = {}
+    for bsym in bsyms:
+        for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+            if isinstance(p, TensorProxy):
+                tensors[p.name] = p
+    for name, t in tensors.items():
+        free = name in inputs
+        # Doubled sizes, less one for what is saved today: ties keep today's choice.
+        graph.add_edge((name, "in"), (name, "out"),
+                       capacity=0 if free else 2 * ops.nbytes(t) - (1 if name in required else 0))
+        i = producer.get(name)
+        if free or i is None or not recomputable(bsyms[i]) or any(a.name in written for a in bsyms[i].flat_proxy_args):
+            graph.add_edge(_SOURCE, (name, "in"))
+    for bsym in bsyms:
+        if bsym.sym.id in ops.UNPACK_IDS or not recomputable(bsym):
+            continue
+        for a in bsym.flat_proxy_args:
+            for o in bsym.flat_proxy_outs:
+                if isinstance(o, TensorProxy) and o.name not in inputs:
+                    graph.add_edge((a.name, "out"), (o.name, "in"))
+    for name in required:
+        graph.add_edge((name, "out"), _SINK)
+
+    _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
+    new_saved = [n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side]
+    chosen = set(new_saved)
+
+    # The symbols to run again: walk back from what the backward needs to what is saved.
+    recompute: set[int] = set()
+    stack = [n for n in required if n not in chosen]
+    seen = set(stack)
+    while stack:
+        name = stack.pop()
+        i = producer.get(name)
+        if i is None or not recomputable(bsyms[i]):
+            raise PlanError(f"{name} would be neither saved nor recomputable")
+        recompute.add(i)
+        for a in bsyms[i].flat_proxy_args:
+            if a.name not in chosen and a.name not in seen:
+                seen.add(a.name)
+                stack.append(a.name)
+    needed = {a.name for i in recompute for a in bsyms[i].flat_proxy_args} | required
+    order = {t.name: k for k, t in enumerate(saved)}
+    kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
+    after = sum(ops.nbytes(tensors[n]) for n in kept if n not in inputs)
+    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after)
+
+
+def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:
+    """Both traces rewritten for ``plan``: the forward returns ``plan.saved``; the backward unpacks them and runs
+    the forward's symbols ``plan.recompute`` again, each just before the first use of what it computes."""
+    fw_bsyms = [b for b in forward.bound_symbols if b.sym.id != PrimIDs.DEL]
+    by_name = {}
+    for b in forward.bound_symbols:
+        for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
+            by_name.setdefault(p.name, p)
+    ret = fw_bsyms[-1]
+    outputs, (_, others) = ret.args
+    new_saved = tuple(by_name[n] for n in plan.saved)
+    new_forward = from_trace(forward)
+    new_forward.bound_symbols = [*fw_bsyms[:-1], ret.from_bsym(args=(outputs, (new_saved, others)))]
+    new_forward = del_last_used(new_forward)
+    new_forward.set_provenance(TraceProvenance(
+        f"FSDPMemoryTransform: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}"))
+
+    bw = [b for b in backward.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
+    unpack_at = _receive(bw, new_saved)
+    new_backward = from_trace(backward)
+    new_backward.args = ([list(new_saved), *backward.args[0][1:]], *backward.args[1:])
+    defined = {p.name for b in bw[: unpack_at + 1] for p in b.flat_proxy_outs}
+    clones = []
+    with tracectx(new_backward):
+        for i in plan.recompute:
+            clones.append(_clone(forward.bound_symbols[i], defined, new_backward))
+    new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
+    new_backward = del_last_used(new_backward, clear_mutable_collections=True)
+    new_backward.set_provenance(TraceProvenance(
+        f"FSDPMemoryTransform: recomputes {len(plan.recompute)} forward symbols"))
+    return new_forward, new_backward
+
+
+def _receive(bsyms: list, saved: tuple) -> int:
+    """Make the backward's symbols receive ``saved``, in place in the list ``bsyms``: Thunder's backward unpacks
+    ``saved_for_backward`` into ``C0, C1`` and ``C0`` into the saved tensors; the collections are proxies that list
+    their members, so each is replaced by a copy that lists the new ones. Returns the index of ``... = C0``."""
+    at = {}
+    for i, b in enumerate(bsyms):
+        first = b.args[0] if b.args else None
+        if b.sym.id == PrimIDs.UNPACK_TRIVIAL and getattr(b.output, "name", None) == "saved_for_backward":
+            at["trivial"] = i
+        elif b.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(first, "name", None) == "saved_for_backward":
+            at["split"] = i
+        elif b.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(first, "name", None) == "C0":
+            at["C0"] = i
+    if len(at) != 3:
+        raise PlanError("the backward trace does not unpack its saved tensors as saved_for_backward -> C0")
+    old_whole = bsyms[at["trivial"]].output
+    old_c0, *rest = old_whole.coll
+    c0 = copy.copy(old_c0)
+    c0.coll = list(saved)
+    whole = copy.copy(old_whole)
+    whole.coll = [c0, *rest]
+    bsyms[at["trivial"]] = bsyms[at["trivial"]].from_bsym(output=whole)
+    split = bsyms[at["split"]]
+    bsyms[at["split"]] = split.from_bsym(args=(whole, *split.args[1:]), output=[c0, *rest])
+    bsyms[at["C0"]] = bsyms[at["C0"]].from_bsym(args=(c0, len(saved)), output=list(saved))
+    return at["C0"]
+
+
+def _clone(bsym, defined: set[str], trace: TraceCtx):
+    """A copy of a forward symbol for the backward; outputs the backward already has (saved ones, when a symbol
+    with several outputs is run again for one of them) get fresh names."""
+
+    def fresh(p):
+        if isinstance(p, Proxy) and p.name in defined:
+            return p.replace_name(trace.make_name())
+        return p
+
+    clone = bsym.from_bsym(output=tree_map(fresh, bsym.output)) if any(
+        p.name in defined for p in bsym.flat_proxy_outs) else bsym.from_bsym()
+    defined.update(p.name for p in clone.flat_proxy_outs)
+    return clone
+
+
+def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
+    """``bsyms`` with each clone placed just before the first symbol that reads one of its outputs (or before a
+    later clone that does), keeping the clones' own order."""
+    first_use: dict[str, int] = {}
+    for i, b in enumerate(bsyms):
+        for a in b.flat_proxy_args:
+            first_use.setdefault(a.name, i)
+    position = [len(bsyms) - 1] * len(clones)  # before the return at the latest
+    for k in range(len(clones) - 1, -1, -1):
+        names = {o.name for o in clones[k].flat_proxy_outs}
+        at = min((first_use[n] for n in names if n in first_use), default=len(bsyms) - 1)
+        for j in range(k + 1, len(clones)):
+            if names & {a.name for a in clones[j].flat_proxy_args}:
+                at = min(at, position[j])
+        position[k] = max(at, start)
+    out = []
+    pending = sorted(range(len(clones)), key=lambda k: (position[k], k))
+    p = 0
+    for i, b in enumerate(bsyms):
+        while p < len(pending) and position[pending[p]] == i:
+            out.append(clones[pending[p]])
+            p += 1
+        out.append(b)
+    return out
