@@ -35,3 +35,22 @@ def torchrun(script: str, *script_args: str, nproc: int = 2, timeout: int = 900)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def saved_bytes(fn, *args, held=()) -> int:
+    """Bytes of the storages autograd saves for backward while ``fn(*args)`` runs (through
+    ``torch.autograd.graph.saved_tensors_hooks``: eager autograd and Thunder's autograd function alike), less
+    those of ``held`` tensors and of ``args`` (parameters and inputs, alive anyway)."""
+    local = [getattr(t, "_local_tensor", t) for t in [*held, *args] if isinstance(t, torch.Tensor)]  # DTensor shards
+    skip = {t.untyped_storage().data_ptr() for t in local}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())

@@ -1,0 +1,83 @@
+"""recompute.plan_saved / apply_plan on a small hand-checked program: what Thunder saves, what the cut saves
+instead (figures computed by hand), and that the rewritten pair runs to the same results."""
+
+import pytest
+import thunder
+import thunder.torch as ltorch
+import torch
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.extend import OperatorExecutor
+
+from thunder_fsdp_mem import checks, recompute
+
+
+def f(x, w):
+    y = x @ w  # bf16 [8, 32]: a matmul, never recomputed
+    z = torch.tanh(y.float())  # float32 [8, 32]: what Thunder saves for tanh's backward
+    return (z * 2).to(torch.bfloat16).sum()
+
+
+@pytest.fixture(scope="module")
+def traces():
+    x = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    jitted = thunder.jit(f)
+    jitted(x, w).backward()
+    return thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1], x, w
+
+
+def test_the_cut_saves_the_bf16_matmul_output_instead_of_the_float32_tanh(traces):
+    forward, _, _, _ = traces
+    today = {t.name: t for t in recompute.saved_tensors(forward)}
+    (tanh_out,) = [t for n, t in today.items() if n not in ("x", "w")]
+    assert tanh_out.dtype.bytes == 4 and tuple(tanh_out.shape) == (8, 32)
+    plan = recompute.plan_saved(forward)
+    assert plan.before_bytes == 8 * 32 * 4  # the float32 tanh output
+    assert plan.after_bytes == 8 * 32 * 2  # the bf16 matmul output
+    symbols = forward.bound_symbols
+    (matmul_out,) = [n for n in plan.saved if n not in ("x", "w")]
+    assert any(b.sym.name == "matmul" and b.output.name == matmul_out for b in symbols)
+    assert sorted(symbols[i].sym.name for i in plan.recompute) == ["tanh", "to"]
+
+
+def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(traces):
+    forward, backward, x, w = traces
+    new_forward, new_backward = recompute.apply_plan(forward, backward, recompute.plan_saved(forward))
+    checks.check_rewrite(forward, new_forward, ignore_saved=True)
+    checks.check_rewrite(backward, new_backward)
+
+    def run(fw, bw):
+        out, (saved, other) = fw.python_callable()(x.detach(), w.detach())
+        return out["output"], bw.python_callable()([list(saved), list(other)], [torch.ones((), dtype=torch.bfloat16)])
+
+    (loss,), grads = run(forward, backward)
+    (loss_t,), grads_t = run(new_forward, new_backward)
+    assert torch.equal(loss, loss_t)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_t)) and len(grads) == 2
+
+
+_ex = OperatorExecutor("thunder_fsdp_mem_recompute_test_ex", version="0.1")
+_opaque = _ex.register_operator("opaque_twice", meta=lambda a: TensorProxy(like=a), fn=lambda a: a * 2)
+
+
+def test_only_cheap_deterministic_ops_are_recomputable():
+    def g(a, b):
+        return ltorch.matmul(ltorch.tanh(ltorch.to(a, torch.float32)), b), _opaque(a)
+
+    trace = thunder.trace()(g, torch.randn(4, 4), torch.randn(4, 4))
+    by_name = {b.sym.name: recompute.recomputable(b) for b in trace.bound_symbols if b.sym.name != "return"}
+    assert by_name["tanh"] and by_name["to"]
+    assert not by_name["matmul"]
+    assert not by_name["opaque_twice"]  # a symbol we do not know is never recomputed
+
+
+def test_a_rewrite_that_reads_a_deleted_tensor_fails_the_check(traces):
+    forward, _, _, _ = traces
+    bsyms = list(forward.bound_symbols)
+    delete_at = next(i for i, b in enumerate(bsyms) if b.sym.id == PrimIDs.DEL)
+    broken = thunder.core.trace.from_trace(forward)
+    # the del moved above the symbol before it, which reads the deleted tensor
+    broken.bound_symbols = [*bsyms[:delete_at - 1], bsyms[delete_at], bsyms[delete_at - 1], *bsyms[delete_at + 1:]]
+    with pytest.raises(checks.CheckError, match="after its del"):
+        checks.check_program(broken)
