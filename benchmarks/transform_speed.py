@@ -1,0 +1,63 @@
+"""How long FSDPMemoryTransform takes against Thunder's own compilation, for a litgpt model traced on the meta
+device (no memory, no compute: Thunder runs every op for its shapes only).
+
+    python benchmarks/transform_speed.py --model stablecode-completion-alpha-3b --n-layers 32 --block-size 8192
+
+Prints Thunder's compile time of the first call without the transform, with it, the transform's own time (the
+forward/backward pair, from the moment it has both traces), and what it saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import thunder  # noqa: E402
+
+from thunder_fsdp_mem import models  # noqa: E402
+from thunder_fsdp_mem.transform import FSDPMemoryTransform  # noqa: E402
+
+
+class _Timed(FSDPMemoryTransform):
+    seconds = 0.0
+
+    def _rematerialize(self, *args):
+        start = time.perf_counter()
+        try:
+            return super()._rematerialize(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def compile_seconds(spec: models.ModelSpec, transforms: list) -> tuple[float, object]:
+    model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
+    idx, targets = models.batch(spec, device="meta")
+    jitted = thunder.jit(model, transforms=transforms)
+    start = time.perf_counter()
+    jitted(idx, targets).backward()
+    return time.perf_counter() - start, jitted
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="stablecode-completion-alpha-3b")
+    p.add_argument("--n-layers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=8192)
+    args = p.parse_args()
+    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    plain, _ = compile_seconds(spec, [])
+    timed = _Timed(strict=True)
+    with_it, jitted = compile_seconds(spec, [timed])
+    print(f"{args.model}, {args.n_layers} layers, {args.block_size} tokens, thunder.jit on meta")
+    print(f"Thunder compile, first call: {plain:.1f} s without the transform, {with_it:.1f} s with it")
+    print(f"transform: {timed.seconds:.2f} s = {100 * timed.seconds / plain:.2f}% of Thunder's compile time")
+    print(thunder.last_traces(jitted)[-1].get_provenance())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
