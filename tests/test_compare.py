@@ -44,12 +44,14 @@ def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
     assert "| fsdp2-inductor | ok |" in proc.stdout
 
 
-def test_mem_rows_equal_the_rows_without_the_transform_today(comparison):
-    # FSDPMemoryTransform changes nothing yet: the same step, the same memory (MemTracker is deterministic).
+def test_mem_rows_need_no_more_memory_and_are_estimated(comparison):
+    # FSDPMemoryTransform saves less for backward; MemTracker's peaks are deterministic on CPU.
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
-    assert rows["thunder-fsdp+mem"]["peak_bytes"] == rows["thunder-fsdp"]["peak_bytes"]
-    assert rows["fsdp2-thunder+mem"]["peak_bytes"] == rows["fsdp2-thunder"]["peak_bytes"]
-    assert rows["thunder-fsdp"]["estimated_peak_bytes"] > 0
+    assert rows["thunder-fsdp+mem"]["peak_bytes"] <= rows["thunder-fsdp"]["peak_bytes"]
+    assert rows["fsdp2-thunder+mem"]["peak_bytes"] <= rows["fsdp2-thunder"]["peak_bytes"]
+    for mode in ("thunder-fsdp", "thunder-fsdp+mem"):  # the estimate reads the traces the transform rewrote
+        row = rows[mode]
+        assert abs(row["estimated_peak_bytes"] - row["peak_bytes"]) <= 0.03 * row["peak_bytes"], row
 
 
 def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path):

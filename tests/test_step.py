@@ -1,5 +1,7 @@
 """estimate_step() against MemTracker's measured peak of the same forward and backward (plain thunder.jit)."""
 
+import functools
+
 import pytest
 import thunder
 import torch
@@ -11,11 +13,19 @@ from thunder_fsdp_mem import estimate_step, models
 TOLERANCE = 0.03
 
 
-def _jitted_step(spec, dtype):
+@functools.cache
+def _compiled(family, dtype):
+    spec = BY_NAME[family]
     model = models.build(spec, dtype=dtype)
     idx, targets = models.batch(spec)
     jitted = thunder.jit(model)
     jitted(idx, targets).backward()  # compile, and leave the traces of a run
+    return jitted, idx, targets
+
+
+def _jitted_step(family, dtype):
+    """The jitted model of ``family`` after one run (compiled once per module), without gradients."""
+    jitted, idx, targets = _compiled(family, dtype)
     for p in jitted.parameters():
         p.grad = None
     return jitted, idx, targets
@@ -24,7 +34,7 @@ def _jitted_step(spec, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["neox", "llama", "gemma"])
 def test_estimate_matches_memtracker(family, dtype):
-    jitted, idx, targets = _jitted_step(BY_NAME[family], dtype)
+    jitted, idx, targets = _jitted_step(family, dtype)
     measured = memtracker_peak(jitted, idx, targets, tracked=(jitted,))
     estimate = estimate_step(jitted)
     assert abs(estimate.peak_bytes - measured) <= TOLERANCE * measured, (estimate.peak_bytes, measured)
@@ -78,7 +88,7 @@ def test_eager_loss_and_optimizer_state_match_memtracker():
     lambda params: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
 ], ids=["adamw", "adam-amsgrad"])
 def test_adam_state_before_its_first_step_is_the_state_it_creates(make):
-    jitted, idx, targets = _jitted_step(BY_NAME["llama"], torch.bfloat16)
+    jitted, idx, targets = _jitted_step("llama", torch.bfloat16)
     optimizer = make(jitted.parameters())
     before = estimate_step(jitted, optimizer=optimizer)
     jitted(idx, targets).backward()
@@ -89,13 +99,13 @@ def test_adam_state_before_its_first_step_is_the_state_it_creates(make):
 
 
 def test_other_optimizers_without_state_warn_and_count_nothing():
-    jitted, _, _ = _jitted_step(BY_NAME["neox"], torch.float32)
+    jitted, _, _ = _jitted_step("neox", torch.float32)
     with pytest.warns(UserWarning, match="SGD has no state yet"):
         estimate = estimate_step(jitted, optimizer=torch.optim.SGD(jitted.parameters(), lr=0.1, momentum=0.9))
     assert estimate.optimizer_state_bytes == 0
 
 
 def test_unknown_loss_is_a_value_error():
-    jitted, _, _ = _jitted_step(BY_NAME["neox"], torch.float32)
+    jitted, _, _ = _jitted_step("neox", torch.float32)
     with pytest.raises(ValueError, match="cross_entropy"):
         estimate_step(jitted, loss="mse")
