@@ -1,14 +1,15 @@
 """thunder_fsdp_mem: where the memory of a Thunder training step goes under FSDP, and a transform that lowers it.
 
 - ``analyze(trace) -> MemoryTimeline``: storage liveness of one Thunder execution trace.
-- ``estimate_step(fn) -> StepMemory``: peak memory of one forward and backward of a jitted module.
-- ``FSDPMemoryTransform``: the Thunder transform.
+- ``estimate_step(fn) -> StepMemory``: peak memory of one forward and backward of a jitted module;
+  ``estimate_traces(forward, backward)``: the same from two execution traces.
+- ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
 """
 
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.step import StepMemory, estimate_step
+from thunder_fsdp_mem.step import StepMemory, estimate_step, estimate_traces
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 from thunder_fsdp_mem.units import format_bytes
 
@@ -22,5 +23,6 @@ __all__ = [
     "StepMemory",
     "analyze",
     "estimate_step",
+    "estimate_traces",
     "format_bytes",
 ]

@@ -23,7 +23,8 @@ def check_program(trace: TraceCtx) -> None:
             if a.name in alive:
                 continue
             if a.name in deleted:
-                raise CheckError(f"symbol {i} ({bsym.sym.name}) reads {a.name} after its del at symbol {deleted[a.name]}")
+                raise CheckError(
+                    f"symbol {i} ({bsym.sym.name}) reads {a.name} after its del at symbol {deleted[a.name]}")
             raise CheckError(f"symbol {i} ({bsym.sym.name}) reads {a.name} before anything defines it")
         if bsym.sym.id == PrimIDs.DEL:
             for a in bsym.flat_proxy_args:

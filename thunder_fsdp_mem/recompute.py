@@ -46,7 +46,7 @@ RECOMPUTABLE_OPS = (
     | ops.RESHAPE_OPS
     | frozenset({
         "convert_element_type", "broadcast_in_dim", "cat", "torch_pad_prim_impl", "pad", "arange", "full",
-        "sum", "var_mean", "mean", "var", "amax", "amin", "prod", "contiguous", "rsqrt", "neg",
+        "sum", "var_mean", "mean", "var", "amax", "amin", "prod", "contiguous",
     })
 )
 

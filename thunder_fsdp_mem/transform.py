@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
@@ -105,6 +106,6 @@ class FSDPMemoryTransform(Transform):
 def _received(backward: TraceCtx) -> list[str]:
     """Names of the saved tensors the backward unpacks."""
     for b in backward.bound_symbols:
-        if b.sym.id == recompute.PrimIDs.UNPACK_SEQUENCE and getattr(b.args[0], "name", None) == "C0":
+        if b.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(b.args[0], "name", None) == "C0":
             return [o.name for o in b.flat_proxy_outs]
     raise recompute.PlanError("the backward trace does not unpack its saved tensors from C0")
