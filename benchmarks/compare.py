@@ -283,9 +283,7 @@ def worker(args) -> int:
 
     started = time.perf_counter()
     rank = runtime.init_distributed(args.device)
-    result = {"mode": args.worker, "rank": rank.rank, "peak_bytes": None, "reserved_bytes": None,
-              "alloc_retries": None, "step_ms": None, "tokens_per_s": None, "estimated_peak_bytes": None,
-              "setup_s": None, "status": "ok"}
+    result = _row(args.worker, status="ok", rank=rank.rank)
     if args.memory_cap_gb is not None and args.device == "cuda":
         total = torch.cuda.get_device_properties(rank.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)

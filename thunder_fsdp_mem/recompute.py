@@ -29,7 +29,6 @@ import copy
 from dataclasses import dataclass
 
 import networkx as nx
-from thunder.core import prims
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.pytree import tree_map
@@ -102,7 +101,11 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
     producer: dict[str, int] = {}
     inputs: set[str] = set()
     written: set[str] = set()  # destinations of in-place copies: their value changes, never recompute from them
+    tensors: dict[str, TensorProxy] = {}
+    can = [False] * len(bsyms)  # recomputable(bsyms[i]), decided once
     for i, bsym in enumerate(bsyms):
+        tensors.update((p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
+                       if isinstance(p, TensorProxy))
         sid = bsym.sym.id
         if sid in ops.UNPACK_IDS:
             inputs.update(o.name for o in bsym.flat_proxy_outs)
@@ -111,28 +114,25 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
             continue
         if ops.sym_id(bsym) in ("copy_", "torch_copy__prim_impl") or sid == PrimIDs.COPY_:
             written.update(a.name for a in bsym.flat_proxy_args)
+        can[i] = recomputable(bsym)
         for o in bsym.flat_proxy_outs:
             producer.setdefault(o.name, i)
     inputs.update(a.name for a in forward.args if isinstance(a, Proxy))
+    # A symbol that reads what an in-place copy writes would see another value in backward.
+    can = [c and not any(a.name in written for a in b.flat_proxy_args) for c, b in zip(can, bsyms)]
 
     required = {t.name for t in saved}
     today = sum(ops.nbytes(t) for t in saved if t.name not in inputs)
     graph = nx.DiGraph()
-    tensors: dict[str, TensorProxy] = {}
-    for bsym in bsyms:
-        for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
-            if isinstance(p, TensorProxy):
-                tensors[p.name] = p
     for name, t in tensors.items():
         free = name in inputs
         # Doubled sizes, less one for what is saved today: ties keep today's choice.
         graph.add_edge((name, "in"), (name, "out"),
                        capacity=0 if free else 2 * ops.nbytes(t) - (1 if name in required else 0))
-        i = producer.get(name)
-        if free or i is None or not recomputable(bsyms[i]) or any(a.name in written for a in bsyms[i].flat_proxy_args):
+        if free or name not in producer or not can[producer[name]]:
             graph.add_edge(_SOURCE, (name, "in"))
-    for bsym in bsyms:
-        if bsym.sym.id in ops.UNPACK_IDS or not recomputable(bsym):
+    for i, bsym in enumerate(bsyms):
+        if not can[i]:
             continue
         for a in bsym.flat_proxy_args:
             for o in bsym.flat_proxy_outs:
@@ -142,8 +142,7 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
         graph.add_edge((name, "out"), _SINK)
 
     _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
-    new_saved = [n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side]
-    chosen = set(new_saved)
+    chosen = {n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side}
 
     # The symbols to run again: walk back from what the backward needs to what is saved.
     recompute: set[int] = set()
@@ -152,7 +151,7 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
     while stack:
         name = stack.pop()
         i = producer.get(name)
-        if i is None or not recomputable(bsyms[i]):
+        if i is None or not can[i]:
             raise PlanError(f"{name} would be neither saved nor recomputable")
         recompute.add(i)
         for a in bsyms[i].flat_proxy_args:
@@ -199,10 +198,14 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     return new_forward, new_backward
 
 
-def _receive(bsyms: list, saved: tuple) -> int:
-    """Make the backward's symbols receive ``saved``, in place in the list ``bsyms``: Thunder's backward unpacks
-    ``saved_for_backward`` into ``C0, C1`` and ``C0`` into the saved tensors; the collections are proxies that list
-    their members, so each is replaced by a copy that lists the new ones. Returns the index of ``... = C0``."""
+def received(backward: TraceCtx) -> list[str]:
+    """Names of the saved tensors a backward trace unpacks, in order."""
+    return [o.name for o in backward.bound_symbols[_unpacking(backward.bound_symbols)["C0"]].flat_proxy_outs]
+
+
+def _unpacking(bsyms) -> dict[str, int]:
+    """Where Thunder's backward unpacks its saved tensors: ``saved_for_backward`` (``trivial``), its split into
+    ``C0, C1`` (``split``), and ``C0`` into the tensors (``C0``)."""
     at = {}
     for i, b in enumerate(bsyms):
         first = b.args[0] if b.args else None
@@ -214,6 +217,14 @@ def _receive(bsyms: list, saved: tuple) -> int:
             at["C0"] = i
     if len(at) != 3:
         raise PlanError("the backward trace does not unpack its saved tensors as saved_for_backward -> C0")
+    return at
+
+
+def _receive(bsyms: list, saved: tuple) -> int:
+    """Make the backward's symbols receive ``saved``, in place in the list ``bsyms``. The collections are proxies
+    that list their members, so each is replaced by a copy that lists the new ones. Returns the index of
+    ``... = C0``."""
+    at = _unpacking(bsyms)
     old_whole = bsyms[at["trivial"]].output
     old_c0, *rest = old_whole.coll
     c0 = copy.copy(old_c0)
@@ -249,13 +260,15 @@ def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
     for i, b in enumerate(bsyms):
         for a in b.flat_proxy_args:
             first_use.setdefault(a.name, i)
+    readers: dict[str, list[int]] = {}  # clones that read a name
+    for j, clone in enumerate(clones):
+        for a in clone.flat_proxy_args:
+            readers.setdefault(a.name, []).append(j)
     position = [len(bsyms) - 1] * len(clones)  # before the return at the latest
-    for k in range(len(clones) - 1, -1, -1):
-        names = {o.name for o in clones[k].flat_proxy_outs}
+    for k in range(len(clones) - 1, -1, -1):  # later clones first: a clone goes no later than its readers
+        names = [o.name for o in clones[k].flat_proxy_outs]
         at = min((first_use[n] for n in names if n in first_use), default=len(bsyms) - 1)
-        for j in range(k + 1, len(clones)):
-            if names & {a.name for a in clones[j].flat_proxy_args}:
-                at = min(at, position[j])
+        at = min([at, *(position[j] for n in names for j in readers.get(n, ()) if j > k)])
         position[k] = max(at, start)
     out = []
     pending = sorted(range(len(clones)), key=lambda k: (position[k], k))

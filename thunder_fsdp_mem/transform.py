@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
@@ -71,7 +70,7 @@ class FSDPMemoryTransform(Transform):
 
     def _rematerialize(self, placeholder: TraceCtx, forward: TraceCtx, backward: TraceCtx) -> TraceCtx:
         try:
-            if [t.name for t in recompute.saved_tensors(forward)] != _received(backward):
+            if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
                 raise recompute.PlanError("the backward does not receive what the forward saves")
             plan = recompute.plan_saved(forward)
             if not plan.changes:
@@ -102,10 +101,3 @@ class FSDPMemoryTransform(Transform):
     def __repr__(self) -> str:
         return f"FSDPMemoryTransform({self.config})"
 
-
-def _received(backward: TraceCtx) -> list[str]:
-    """Names of the saved tensors the backward unpacks."""
-    for b in backward.bound_symbols:
-        if b.sym.id == PrimIDs.UNPACK_SEQUENCE and getattr(b.args[0], "name", None) == "C0":
-            return [o.name for o in b.flat_proxy_outs]
-    raise recompute.PlanError("the backward trace does not unpack its saved tensors from C0")
