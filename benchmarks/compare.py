@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import difflib
 import fcntl
 import json
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from thunder_fsdp_mem import modes as mode_table  # noqa: E402
+from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig  # noqa: E402
 from thunder_fsdp_mem.units import format_bytes  # noqa: E402
 
 
@@ -68,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, MemTracker)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
+    p.add_argument("--recompute-weight", type=float, default=DEFAULT_RECOMPUTE_WEIGHT,
+                   help="MemoryConfig.recompute_weight of the +mem modes")
     p.add_argument("--executors", choices=("default", "default+cat"), default="default+cat",
                    help="Thunder executors: its defaults, plus torch.compile for cat (the seed's setting)")
     p.add_argument("--memory-cap-gb", type=float, default=None,
@@ -95,6 +99,10 @@ def validate(args) -> list[str]:
             raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be 0 or more, got {args.warmup}")
+    try:
+        MemoryConfig(recompute_weight=args.recompute_weight)
+    except ValueError as e:
+        raise UsageError(f"--recompute-weight: {e}") from None
     if args.n_layers is not None and args.n_layers < 1:
         raise UsageError(f"--n-layers must be at least 1, got {args.n_layers}")
     if args.device == "cuda":
@@ -168,7 +176,8 @@ def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
 def _forwarded(args) -> list[str]:
     out = ["--model", args.model, "--block-size", str(args.block_size), "--micro-batch-size",
            str(args.micro_batch_size), "--shard", args.shard, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--executors", args.executors]
+           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--executors", args.executors,
+           "--recompute-weight", repr(args.recompute_weight)]
     if args.n_layers is not None:
         out += ["--n-layers", str(args.n_layers)]
     if args.memory_cap_gb is not None:
@@ -202,7 +211,7 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
     return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
                 alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
                 tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"),
-                setup_s=worst("setup_s"))
+                setup_s=worst("setup_s"), **({"rewrites": ranks[0]["rewrites"]} if "rewrites" in ranks[0] else {}))
 
 
 def table(rows: list[dict]) -> str:
@@ -306,6 +315,8 @@ def worker(args) -> int:
                     trainer.step(idx, targets)
                 result["setup_s"] = time.perf_counter() - started - waited
                 result.update(_measure(args, trainer, idx, targets, rank))
+                if trainer.transform is not None:
+                    result["rewrites"] = [dataclasses.astuple(r) for r in trainer.transform.rewrites]
     print("RESULT " + json.dumps(result), flush=True)
     if result["status"] != "ok":
         return 1
@@ -321,7 +332,8 @@ def _setup(args, rank, result: dict):
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     trainer = mode_table.build(args.worker, spec, rank, shard=args.shard, executors=args.executors,
-                               dtype=models.DTYPES[args.dtype])
+                               dtype=models.DTYPES[args.dtype],
+                               memory=MemoryConfig(recompute_weight=args.recompute_weight))
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
     result["estimated_peak_bytes"] = _estimate(trainer)

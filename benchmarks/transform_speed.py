@@ -25,10 +25,10 @@ from thunder_fsdp_mem.transform import FSDPMemoryTransform  # noqa: E402
 class _Timed(FSDPMemoryTransform):
     seconds = 0.0
 
-    def _rematerialize(self, *args):
+    def _rewrite(self, *args):
         start = time.perf_counter()
         try:
-            return super()._rematerialize(*args)
+            return super()._rewrite(*args)
         finally:
             self.seconds += time.perf_counter() - start
 

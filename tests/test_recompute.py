@@ -41,6 +41,44 @@ def test_the_cut_saves_the_bf16_matmul_output_instead_of_the_float32_tanh(traces
     assert sorted(symbols[i].sym.name for i in plan.recompute) == ["tanh", "to"]
 
 
+def test_recompute_traffic_is_what_a_kernel_reads_and_writes(traces):
+    forward, _, _, _ = traces
+    by_name = {b.sym.name: recompute.recompute_traffic(b) for b in forward.bound_symbols}
+    assert by_name["to"] == 8 * 32 * (2 + 4)  # reads the bf16 matmul output, writes float32
+    assert by_name["tanh"] == 8 * 32 * (4 + 4)
+    reshape = thunder.trace()(lambda a: ltorch.reshape(a, (16,)), torch.randn(4, 4)).bound_symbols
+    assert [recompute.recompute_traffic(b) for b in reshape if b.sym.name == "reshape"] == [0]  # a view
+
+
+def test_a_weight_on_traffic_saves_what_is_dear_to_recompute(traces):
+    # Saving the bf16 matmul output (512 bytes) means recomputing to and tanh (3584 bytes of traffic); saving
+    # the float32 tanh output (1024 bytes) means recomputing nothing. The first wins while 512 + w * 3584 < 1024,
+    # that is for w < 1/7.
+    forward, _, _, _ = traces
+    cheap = recompute.plan_saved(forward, recompute_weight=0.1)
+    assert (cheap.after_bytes, cheap.traffic_bytes) == (512, 3584)
+    assert cheap == recompute.plan_saved(forward)
+    dear = recompute.plan_saved(forward, recompute_weight=0.2)
+    assert (dear.after_bytes, dear.traffic_bytes, dear.changes) == (1024, 0, False)
+
+
+def test_a_repeated_cheap_symbol_runs_once_and_its_readers_read_the_first():
+    def g(a):
+        return ltorch.to(a, torch.float32) * 2 + ltorch.to(a, torch.float32)
+
+    a = torch.randn(4, 4, dtype=torch.bfloat16)
+    trace = thunder.trace()(g, a)
+    kept = recompute._drop_repeats(list(trace.bound_symbols))
+    assert [b.sym.name for b in trace.bound_symbols].count("to") == 2
+    assert [b.sym.name for b in kept].count("to") == 1
+    deduped = thunder.core.trace.from_trace(trace)
+    deduped.bound_symbols = kept
+    checks.check_program(deduped)
+    (cast,) = [b.output.name for b in kept if b.sym.name == "to"]
+    mul, add = [b for b in kept if b.sym.name in ("mul", "add")]
+    assert mul.args[0].name == cast and add.args[1].name == cast  # both readers read the one cast
+
+
 def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(traces):
     forward, backward, x, w = traces
     new_forward, new_backward = recompute.apply_plan(forward, backward, recompute.plan_saved(forward))

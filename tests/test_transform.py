@@ -52,6 +52,12 @@ def test_is_a_thunder_transform_with_a_validated_config():
         MemoryConfig(strict="yes")
     with pytest.raises(ValueError, match="MemoryConfig.rematerialize must be a bool.*1"):
         MemoryConfig(rematerialize=1)
+    with pytest.raises(ValueError, match="MemoryConfig.reorder must be a bool.*'no'"):
+        MemoryConfig(reorder="no")
+    for bad in (-0.5, float("nan"), float("inf"), True, "0.1"):
+        with pytest.raises(ValueError, match=r"MemoryConfig.recompute_weight must be a finite number >= 0, got"):
+            MemoryConfig(recompute_weight=bad)
+    assert MemoryConfig(recompute_weight=0).recompute_weight == 0
     with pytest.raises(ValueError, match="either config= or strict="):
         FSDPMemoryTransform(MemoryConfig(), strict=True)
     with pytest.raises(TypeError, match="MemoryConfig"):
@@ -66,9 +72,9 @@ def plain_traces():
     return thunder.last_traces(jitted), thunder.last_backward_traces(jitted)[-1]
 
 
-def test_rematerialize_off_leaves_the_traces_alone(plain_traces):
+def test_both_passes_off_leave_the_traces_alone(plain_traces):
     forward, backward = plain_traces[0][-1], plain_traces[1]
-    transform = FSDPMemoryTransform(MemoryConfig(rematerialize=False))
+    transform = FSDPMemoryTransform(MemoryConfig(rematerialize=False, reorder=False))
     assert transform.transform_trace_post_optimization(forward) is forward
     assert transform.transform_trace_post_optimization(backward) is backward
 
@@ -85,3 +91,41 @@ def test_a_backward_without_its_forward_is_refused(plain_traces):
         warnings.simplefilter("error")  # a trace that is neither forward nor backward is not an error
         first = plain_traces[0][0]
         assert FSDPMemoryTransform().transform_trace_post_optimization(first) is first
+
+
+def test_fusion_regions_are_recomputed_whole_and_results_stay_bitwise():
+    # A torch.compile executor that claims tanh, mul and casts: the forward has fusion regions (as on GPU, where
+    # torch.compile claims what surrounds cat), and the backward runs copies of them, with the same results.
+    from thunder.core.prims import PrimIDs
+    from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_ex
+
+    claimed = (PrimIDs.CONVERT_ELEMENT_TYPE, PrimIDs.TANH, PrimIDs.MUL, "torch.tanh", "torch.mul")
+    partial = TorchCompileExecutor(name="thunder_fsdp_mem_test_partial")
+    partial._implmap = {k: v for k, v in torch_compile_ex._implmap.items() if k in claimed}
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = self.norm(torch.tanh(h) * h)
+            return self.b(torch.nn.functional.gelu(h) * 2).sum()
+
+    def run(transforms):
+        torch.manual_seed(0)
+        net = Net().to(torch.bfloat16)
+        x = torch.randn(8, 16, dtype=torch.bfloat16)
+        jitted = thunder.jit(net, executors=[partial, *thunder.get_default_executors()], transforms=transforms)
+        loss = jitted(x)
+        loss.backward()
+        return loss.detach(), [p.grad for p in net.parameters()], jitted
+
+    loss, grads, _ = run([])
+    loss_t, grads_t, jitted = run([FSDPMemoryTransform(strict=True)])
+    assert torch.equal(loss, loss_t)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_t, strict=True))
+    fusions = lambda trace: {b.sym.name for b in trace.bound_symbols if b.sym.is_fusion}  # noqa: E731
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    assert fusions(forward) & fusions(backward)  # a forward fusion runs again in backward

@@ -40,6 +40,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     jitted: torch.nn.Module | None = None
     backend: object | None = None
+    transform: object | None = None  # the FSDPMemoryTransform of a +mem mode
 
     def precompile(self, idx: torch.Tensor) -> bool:
         """Compile for ``idx`` without running anything on the device, where the compiler can: ``thunder.jit``
@@ -79,17 +80,21 @@ class Trainer:
 
 
 def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
-          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16) -> Trainer:
+          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory=None) -> Trainer:
+    """``memory``: the ``MemoryConfig`` of the +mem modes (the defaults when None)."""
+    from thunder_fsdp_mem.config import MemoryConfig
+
+    memory = memory if memory is not None else MemoryConfig()
     builders: dict[str, Callable[..., Trainer]] = {
-        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=False),
-        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=True),
-        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, False)),
-        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, True)),
+        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None),
+        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory),
+        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, None)),
+        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, memory)),
         "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("inductor",)),
         "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=None),
         "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype),
-        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=False),
-        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=True),
+        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=None),
+        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=memory),
         "inductor": lambda: _plain(mode, spec, rank, dtype, compile_=True),
         "eager": lambda: _plain(mode, spec, rank, dtype, compile_=False),
     }
@@ -123,16 +128,17 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem: bool) -> Trainer:
+def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem) -> Trainer:
+    """``mem``: the MemoryConfig of the transform, None for none."""
     import thunder
 
     from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
-    transforms = [FSDPMemoryTransform()] if mem else []
+    transforms = [FSDPMemoryTransform(mem)] if mem is not None else []
     jitted = thunder.jit(_gpt(spec, rank, dtype), executors=runtime.executors(executors), transforms=transforms)
     if shard is not None:
         jitted = runtime.thunder_fsdp(jitted, shard=shard, device=rank.device)
-    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted)
+    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted, transform=transforms[0] if transforms else None)
 
 
 def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
@@ -147,7 +153,7 @@ def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(gpt, mp_policy=policy, reshard_after_forward=reshard)
     optimizer = _adamw(gpt)
-    backend = None
+    backend = transform = None
     model: torch.nn.Module = gpt
     if compiler is not None and compiler[0] == "thunder":
         from thunder.dynamo import ThunderCompiler
@@ -155,12 +161,13 @@ def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
         from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
         _, executors, mem = compiler
-        transforms = [FSDPMemoryTransform()] if mem else []  # a fresh list: ThunderCompiler appends to it
+        transforms = [FSDPMemoryTransform(mem)] if mem is not None else []  # fresh: ThunderCompiler appends to it
+        transform = transforms[0] if transforms else None
         backend = ThunderCompiler(executors=runtime.executors(executors), transforms=transforms)
         model = torch.compile(gpt, backend=backend)
     elif compiler is not None:
         model = torch.compile(gpt)
-    return Trainer(mode, model, optimizer, backend=backend)
+    return Trainer(mode, model, optimizer, backend=backend, transform=transform)
 
 
 def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:

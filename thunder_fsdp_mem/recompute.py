@@ -18,8 +18,14 @@ recomputed in backward, in forward order, by copies of the forward's own bound s
 calls on the same values, so the backward computes bit for bit what it did before. Ties go to the tensors saved
 today, so nothing is recomputed for nothing.
 
+Recomputation costs time: ops outside fusions each read and write whole tensors. With ``recompute_weight``
+w > 0, each recomputable symbol is also a node ``("op", i)`` between its arguments and outputs, fed by the source
+with capacity w x its traffic (``recompute_traffic``): the cut pays it when the symbol runs again, once however
+many of its outputs are needed. The cut then minimises saved bytes + w x recomputation traffic.
+
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
-saved tensors; the backward unpacks them and recomputes the rest just before their first use; ``del``s and
+saved tensors; the backward unpacks them and recomputes the rest just before their first use; a recomputed
+symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is dropped, and ``del``s and
 collection clears are placed again by Thunder's ``del_last_used``. Both functions are pure.
 """
 
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 from thunder.executors.passes import del_last_used
@@ -59,12 +65,14 @@ class SavePlan:
     saved: names of the tensors the forward returns for backward, in order.
     recompute: indices, in the forward's bound symbols, of the symbols the backward runs again (forward order).
     before_bytes / after_bytes: saved bytes beyond the forward's inputs, today and with the plan.
+    traffic_bytes: what the recomputation reads and writes (``recompute_traffic``), its cost.
     """
 
     saved: tuple[str, ...]
     recompute: tuple[int, ...]
     before_bytes: int
     after_bytes: int
+    traffic_bytes: int = 0
 
     @property
     def changes(self) -> bool:
@@ -94,8 +102,18 @@ def recomputable(bsym) -> bool:
     return ops.sym_id(bsym) in RECOMPUTABLE_OPS
 
 
-def plan_saved(forward: TraceCtx) -> SavePlan:
-    """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring)."""
+def recompute_traffic(bsym) -> int:
+    """Bytes that running ``bsym`` again reads and writes, the measure of its cost (recomputed ops are bound by
+    memory bandwidth): nothing for views and reshapes, which launch no kernel; a fusion's own inputs and outputs
+    (one pass); every tensor argument and output otherwise."""
+    if not ops.is_fusion(bsym) and ops.sym_id(bsym) in ops.VIEW_OPS | ops.RESHAPE_OPS | {"broadcast_in_dim"}:
+        return 0
+    return sum(ops.nbytes(t) for t in (*ops.tensor_args(bsym), *ops.tensor_outputs(bsym)))
+
+
+def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
+    """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
+    bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes."""
     saved = saved_tensors(forward)
     bsyms = forward.bound_symbols
     producer: dict[str, int] = {}
@@ -134,10 +152,15 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
     for i, bsym in enumerate(bsyms):
         if not can[i]:
             continue
+        # The symbol is a node of its own, cut from the source (at its traffic's price) when it runs again.
+        cost = round(2 * recompute_weight * recompute_traffic(bsym))
+        if cost:
+            graph.add_edge(_SOURCE, ("op", i), capacity=cost)
         for a in bsym.flat_proxy_args:
-            for o in bsym.flat_proxy_outs:
-                if isinstance(o, TensorProxy) and o.name not in inputs:
-                    graph.add_edge((a.name, "out"), (o.name, "in"))
+            graph.add_edge((a.name, "out"), ("op", i))
+        for o in bsym.flat_proxy_outs:
+            if isinstance(o, TensorProxy) and o.name not in inputs:
+                graph.add_edge(("op", i), (o.name, "in"))
     for name in required:
         graph.add_edge((name, "out"), _SINK)
 
@@ -162,7 +185,9 @@ def plan_saved(forward: TraceCtx) -> SavePlan:
     order = {t.name: k for k, t in enumerate(saved)}
     kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
     after = sum(ops.nbytes(tensors[n]) for n in kept if n not in inputs)
-    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after)
+    traffic = sum(recompute_traffic(bsyms[i]) for i in recompute)
+    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
+                    traffic_bytes=traffic)
 
 
 def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:
@@ -192,6 +217,7 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
         for i in plan.recompute:
             clones.append(_clone(forward.bound_symbols[i], defined, new_backward))
     new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
+    new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
     new_backward = del_last_used(new_backward, clear_mutable_collections=True)
     new_backward.set_provenance(TraceProvenance(
         f"FSDPMemoryTransform: recomputes {len(plan.recompute)} forward symbols"))
@@ -251,6 +277,31 @@ def _clone(bsym, defined: set[str], trace: TraceCtx):
         p.name in defined for p in bsym.flat_proxy_outs) else bsym.from_bsym()
     defined.update(p.name for p in clone.flat_proxy_outs)
     return clone
+
+
+def _drop_repeats(bsyms: list) -> list:
+    """``bsyms`` with each cheap deterministic symbol (``recomputable``, not a fusion) that repeats an earlier one
+    (same op, same executor, same arguments) dropped, and its outputs' readers reading the earlier outputs instead.
+    Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols."""
+    written = {a.name for b in bsyms if ops.sym_id(b) in ("copy_", "torch_copy__prim_impl") or b.sym.id == PrimIDs.COPY_
+               for a in b.flat_proxy_args}
+    first: dict[tuple, object] = {}
+    swap: dict = {}
+    out = []
+    for b in bsyms:
+        if swap:
+            b = b.from_bsym_swap_proxies(swap, skip_output=True)
+        if not ops.is_fusion(b) and b.flat_proxy_outs and recomputable(b) \
+                and not any(a.name in written for a in b.flat_proxy_args):
+            rhs = b.rhs
+            key = (rhs.sym, rhs.args, rhs.kwargs, b.sym.executor)
+            earlier = first.get(key)
+            if earlier is not None:
+                swap.update((variableify(o), e) for o, e in zip(b.flat_proxy_outs, earlier.flat_proxy_outs))
+                continue
+            first[key] = b
+        out.append(b)
+    return out
 
 
 def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
