@@ -48,17 +48,25 @@ def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool =
         raise CheckError("the rewritten trace returns different values")
 
 
-def check_same_collectives(before: TraceCtx, after: TraceCtx) -> None:
-    """The same collectives, with the same arguments, in the same order."""
-    def collectives(trace):
-        return [(ops.sym_id(b), tuple(ops.proxy_names(b.args))) for b in trace.bound_symbols
-                if ops.sym_id(b) in ops.COLLECTIVES]
-
-    if collectives(before) != collectives(after):
-        raise CheckError("the rewritten trace issues different collectives or issues them in another order")
+def collectives(trace: TraceCtx) -> list[tuple[str, tuple[str, ...]]]:
+    """The trace's collectives as (op, argument names), in order."""
+    return [(ops.sym_id(b), tuple(ops.proxy_names(b.args))) for b in trace.bound_symbols
+            if ops.sym_id(b) in ops.COLLECTIVES]
 
 
-def check_rewrite(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False) -> None:
+def check_same_collectives(before: TraceCtx, after: TraceCtx, *, ordered: bool = True, added=()) -> None:
+    """The same collectives with the same arguments: in the same order, or with ``ordered=False`` in an order of
+    their own (which must then depend on the trace alone); ``added`` lists collectives the rewrite adds."""
+    old, new = collectives(before), collectives(after)
+    if sorted(new) != sorted([*old, *added]):
+        raise CheckError("the rewritten trace issues different collectives")
+    known = set(old)
+    if ordered and [c for c in new if c in known] != old:
+        raise CheckError("the rewritten trace issues its collectives in another order")
+
+
+def check_rewrite(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False, ordered: bool = True,
+                  added=()) -> None:
     check_program(after)
     check_same_result(before, after, ignore_saved=ignore_saved)
-    check_same_collectives(before, after)
+    check_same_collectives(before, after, ordered=ordered, added=added)

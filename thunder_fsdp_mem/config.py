@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 DEFAULT_RECOMPUTE_WEIGHT = 0.04
+DEFAULT_MAX_INFLIGHT_ALLGATHERS = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -19,6 +20,11 @@ class MemoryConfig:
         recomputation costs; larger values recompute only where it saves much for little traffic (a float >= 0).
     reorder: put each trace's symbols in the order of lowest estimated peak, of three list schedules and the
         trace's own (``reorder.py``); collectives keep their order.
+    gathers: under Thunder's fsdp, schedule the all-gathers (``gathers.py``).
+    max_inflight_allgathers: under Thunder's fsdp, how many all-gathers may be in flight ahead of the one being
+        waited for (``gathers.py``; an int >= 1).
+    regather: under Thunder's fsdp, save parameter shards instead of gathered parameters and gather again in
+        backward. None (the default) does so when the model is sharded with ZeRO3.
     strict: raise instead of warning when a trace is not understood or a rewrite fails its checks (a warning
         returns the trace unchanged).
     """
@@ -26,15 +32,27 @@ class MemoryConfig:
     rematerialize: bool = True
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
     reorder: bool = True
+    gathers: bool = True
+    max_inflight_allgathers: int = DEFAULT_MAX_INFLIGHT_ALLGATHERS
+    regather: bool | None = None
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type == "float":
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value >= 0
-                if not ok:
-                    raise ValueError(f"MemoryConfig.{f.name} must be a finite number >= 0, got {value!r}")
-            elif not isinstance(value, bool):
-                raise ValueError(f"MemoryConfig.{f.name} must be a bool (True or False), got {value!r}")
+        for name in ("rematerialize", "reorder", "gathers", "strict"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
+        w = self.recompute_weight
+        _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")
+        n = self.max_inflight_allgathers
+        _check("max_inflight_allgathers", n, isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+               "an int >= 1")
+        _check("regather", self.regather, self.regather is None or isinstance(self.regather, bool),
+               "True, False or None (as the sharding strategy says)")
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check(name: str, value, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"MemoryConfig.{name} must be {allowed}, got {value!r}")

@@ -35,6 +35,7 @@ import copy
 from dataclasses import dataclass
 
 import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
@@ -164,7 +165,7 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
     for name in required:
         graph.add_edge((name, "out"), _SINK)
 
-    _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
+    _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK, flow_func=boykov_kolmogorov)
     chosen = {n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side}
 
     # The symbols to run again: walk back from what the backward needs to what is saved.
@@ -288,8 +289,9 @@ def _drop_repeats(bsyms: list) -> list:
     first: dict[tuple, object] = {}
     swap: dict = {}
     out = []
+    swapped: set[str] = set()
     for b in bsyms:
-        if swap:
+        if swapped and any(a.name in swapped for a in b.flat_proxy_args):
             b = b.from_bsym_swap_proxies(swap, skip_output=True)
         if not ops.is_fusion(b) and b.flat_proxy_outs and recomputable(b) \
                 and not any(a.name in written for a in b.flat_proxy_args):
@@ -298,6 +300,7 @@ def _drop_repeats(bsyms: list) -> list:
             earlier = first.get(key)
             if earlier is not None:
                 swap.update((variableify(o), e) for o, e in zip(b.flat_proxy_outs, earlier.flat_proxy_outs))
+                swapped.update(o.name for o in b.flat_proxy_outs)
                 continue
             first[key] = b
         out.append(b)

@@ -15,7 +15,7 @@ tries three list schedules, as Inductor's ``reorder_for_peak_memory`` tries seve
 Each order gets its ``del``s placed again at last use (Thunder's ``del_last_used``); ``judge(trace)`` (the
 caller's estimator: bytes, or a tuple of them compared in order) rates it, and the lowest wins, the trace as it
 came when nothing is lower. The unpacking of arguments stays first and the return last. ``reorder_pair`` does
-this for a forward and its backward with the estimator of the step. The passes are pure: they return new traces.
+this for whichever of a forward and its backward holds the step's peak, with the estimator of the step. The passes are pure: they return new traces.
 """
 
 from __future__ import annotations
@@ -62,24 +62,32 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
     return best, best_name
 
 
-def reorder_pair(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, tuple[str, str]]:
-    """A forward and its backward each in its best order by ``step.estimate_traces`` of the pair: the step's
-    peak first, then the peak of the trace's own phase (so that an order that lowers the backward's own peak is
-    kept even when the forward holds the step's). Also returns the name of each trace's winning order."""
+def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate=None
+                 ) -> tuple[TraceCtx, TraceCtx, tuple[str, str]]:
+    """A forward and its backward with the trace that holds the step's peak (by ``step.estimate_traces`` of the
+    pair) in its best order: the step's peak first, then that trace's own. The other trace cannot lower the
+    step's peak, so it is left as it is (ordering it would cost time and win nothing). Also returns the name of
+    each trace's order. ``estimate``: the pair's ``estimate_traces``, when the caller has it."""
     from thunder_fsdp_mem.step import estimate_traces
 
-    def judge_forward(trace):
-        estimate = estimate_traces(trace, backward)
-        return estimate.peak_bytes, estimate.forward_peak_bytes
+    base = estimate if estimate is not None else estimate_traces(forward, backward)
+    # The backward's phase does not depend on the forward's order (it receives the same saved tensors), nor the
+    # forward's phase on the backward's: a candidate needs only its own trace analysed.
+    if base.peak_phase == "forward":
+        def judge_forward(trace):
+            own = estimate_traces(trace).forward_peak_bytes
+            return max(own, base.backward_peak_bytes), own
 
-    new_forward, won_forward = reorder(forward, judge_forward)
+        new_forward, won = reorder(forward, judge_forward)
+        return new_forward, backward, (won, "as given")
+    if base.peak_phase == "backward":
+        def judge_backward(trace):
+            estimate = estimate_traces(forward, trace, reuse=base)
+            return estimate.peak_bytes, estimate.backward_peak_bytes
 
-    def judge_backward(trace):
-        estimate = estimate_traces(new_forward, trace)
-        return estimate.peak_bytes, estimate.backward_peak_bytes
-
-    new_backward, won_backward = reorder(backward, judge_backward, clear_mutable_collections=True)
-    return new_forward, new_backward, (won_forward, won_backward)
+        new_backward, won = reorder(backward, judge_backward, clear_mutable_collections=True)
+        return forward, new_backward, ("as given", won)
+    return forward, backward, ("as given", "as given")
 
 
 def pinned(bsym) -> bool:

@@ -85,19 +85,23 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
                     _optimizer_state(optimizer), loss)
 
 
-def estimate_traces(forward_trace, backward_trace=None) -> StepMemory:
+def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None) -> StepMemory:
     """The same estimate from a forward execution trace and its backward alone (what a transform sees): the
-    tensors alive before the step are the forward's tensor arguments; no loss outside the traces, no optimizer."""
-    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), [], None)
+    tensors alive before the step are the forward's tensor arguments; no loss outside the traces, no optimizer.
+    ``reuse``: an earlier estimate with this same forward trace, whose analysis of the forward is taken as it is
+    (a pass that tries several backwards against one forward analyses it once)."""
+    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), [], None,
+                    forward=reuse.forward if reuse is not None else None)
 
 
-def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None
-             ) -> StepMemory:
+def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,
+             forward: MemoryTimeline | None = None) -> StepMemory:
     forward_args = _arg_names(forward_trace)
-    forward = analyze(forward_trace, inputs={
-        name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
-        for name, held in persistent.items() if name in forward_args
-    })
+    if forward is None:
+        forward = analyze(forward_trace, inputs={
+            name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
+            for name, held in persistent.items() if name in forward_args
+        })
     forward_outside = _outside(persistent, reached={persistent[n].key for n in forward_args if n in persistent})
     saved_bytes = sum(
         forward.allocations[i].nbytes

@@ -6,7 +6,8 @@ backward (under ``thunder.jit``, Thunder's ``fsdp`` and each ThunderFX subgraph 
 only be chosen with both in hand, so the forward call returns a trace of its own whose symbols the backward call
 fills in, before Thunder turns either into Python. Every rewrite passes ``checks.check_rewrite`` and is kept only
 if ``step.estimate_traces``, the estimator of the whole step, says its peak did not rise: rematerialization
-(``recompute.py``) first, then the order of each trace (``reorder.py``).
+(``recompute.py``) first, then the order of each trace (``reorder.py``), then the all-gather schedule under
+Thunder's fsdp (``gathers.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fsdp_mem import checks, recompute, reorder
+from thunder_fsdp_mem import checks, gathers, ops, recompute, reorder
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.step import estimate_traces
 
@@ -51,11 +52,15 @@ class FSDPMemoryTransform(Transform):
         # FSDP2 through ThunderFX:
         # torch.compile(model, backend=ThunderCompiler(transforms=[FSDPMemoryTransform()]))
 
-    It chooses what the forward saves for backward (``MemoryConfig.rematerialize``, ``recompute_weight``), then
-    orders each trace for a lower peak (``MemoryConfig.reorder``).
+    It chooses what the forward saves for backward (``MemoryConfig.rematerialize``, ``recompute_weight``); under
+    Thunder's fsdp it issues all-gathers in a window and, with ZeRO3, gathers parameters again in backward
+    (``gathers``, ``max_inflight_allgathers``, ``regather``); it orders each trace for a lower peak (``reorder``).
+    Under Thunder's fsdp, jit first and shard after::
+
+        model = fsdp(thunder.jit(model, transforms=[FSDPMemoryTransform()]), sharding_strategy=FSDPType.ZERO3)
 
     Limitations:
-        - The all-gather schedule (re-gathering and prefetching parameters) is not built yet.
+        - Reduce-scatters stay where Thunder puts them (at the end of the backward).
         - It holds one forward between Thunder's forward and backward calls and nothing after: ThunderFX shares
           one instance across all subgraphs.
     """
@@ -72,7 +77,7 @@ class FSDPMemoryTransform(Transform):
         self.rewrites: list[Rewrite] = []  # a record for reports; nothing reads it back
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
-        if not (self.config.rematerialize or self.config.reorder):
+        if not (self.config.rematerialize or self.config.gathers or self.config.reorder):
             return computation_trace
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             placeholder = from_trace(computation_trace)
@@ -87,7 +92,7 @@ class FSDPMemoryTransform(Transform):
             placeholder, forward = pending
             try:
                 new_forward, new_backward = self._rewrite(forward, computation_trace)
-            except (recompute.PlanError, checks.CheckError, ValueError) as e:
+            except (recompute.PlanError, checks.CheckError) as e:
                 return self._refuse(computation_trace, str(e))
             placeholder.bound_symbols = new_forward.bound_symbols
             if new_forward is not forward:
@@ -98,45 +103,88 @@ class FSDPMemoryTransform(Transform):
     def _rewrite(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
         """The passes the configuration asks for, each checked and kept only if the estimated peak does not
         rise."""
+        estimate = None  # of the pair as it stands, where a pass has it
         if self.config.rematerialize:
-            forward, backward = self._rematerialize(forward, backward)
+            forward, backward, estimate = self._rematerialize(forward, backward)
         if self.config.reorder:
-            forward, backward = self._reorder(forward, backward)
+            forward, backward = self._reorder(forward, backward, estimate)
+        # Last: the memory-only judge of the reordering would move all-gathers next to their waits.
+        if self.config.gathers and any(ops.sym_id(b) == ops.ALL_GATHER for b in forward.bound_symbols):
+            try:
+                forward, backward = self._schedule_gathers(forward, backward)
+            except gathers.GatherError as e:  # the other passes still apply
+                self._warn(f"all-gathers left as they were: {e}")
         return forward, backward
 
-    def _rematerialize(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+    def _rematerialize(self, forward: TraceCtx, backward: TraceCtx):
+        """The pair rewritten by ``recompute``, or as it came; with the estimate of what it returns (None when
+        nothing was estimated)."""
         if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
             raise recompute.PlanError("the backward does not receive what the forward saves")
         plan = recompute.plan_saved(forward, recompute_weight=self.config.recompute_weight)
         if not plan.changes:
-            return forward, backward
+            return forward, backward, None
         new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
         checks.check_rewrite(forward, new_forward, ignore_saved=True)
         checks.check_rewrite(backward, new_backward)
-        before = estimate_traces(forward, backward).peak_bytes
-        after = estimate_traces(new_forward, new_backward).peak_bytes
-        self.rewrites.append(Rewrite(plan.before_bytes, plan.after_bytes, plan.traffic_bytes, before, after,
-                                     kept=after <= before))
-        if after > before:
+        before = estimate_traces(forward, backward)
+        after = estimate_traces(new_forward, new_backward)
+        self.rewrites.append(Rewrite(plan.before_bytes, plan.after_bytes, plan.traffic_bytes, before.peak_bytes,
+                                     after.peak_bytes, kept=after.peak_bytes <= before.peak_bytes))
+        if after.peak_bytes > before.peak_bytes:
             log.info("FSDPMemoryTransform: recomputation kept out, it would raise the peak from %d to %d bytes",
-                     before, after)
-            return forward, backward
+                     before.peak_bytes, after.peak_bytes)
+            return forward, backward, before
         new_forward.set_provenance(TraceProvenance(
             f"FSDPMemoryTransform: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}; "
-            f"estimated peak {after} bytes instead of {before}"))
+            f"estimated peak {after.peak_bytes} bytes instead of {before.peak_bytes}"))
+        return new_forward, new_backward, after
+
+    def _schedule_gathers(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        """Under Thunder's fsdp: re-gather in backward (ZeRO3, or as ``regather`` says), then issue the
+        all-gathers of both traces in a window."""
+        new_forward, new_backward = forward, backward
+        if self._regathers():
+            new_forward, new_backward = gathers.regather(forward, backward)
+        again = {b.args[0].name for b in new_backward.bound_symbols if ops.sym_id(b) == ops.ALL_GATHER}
+        added = [c for c in checks.collectives(forward) if c[0] == ops.ALL_GATHER and c[1][0] in again]
+        width = self.config.max_inflight_allgathers
+        new_forward = gathers.window(new_forward, width)
+        new_backward = gathers.window(new_backward, width, clear_mutable_collections=True)
+        checks.check_rewrite(forward, new_forward, ignore_saved=True, ordered=False)
+        checks.check_rewrite(backward, new_backward, added=added)
+        before = estimate_traces(forward, backward).peak_bytes
+        after = estimate_traces(new_forward, new_backward).peak_bytes
+        if after > before:
+            log.info("FSDPMemoryTransform: all-gather schedule kept out, it would raise the peak from %d to %d "
+                     "bytes", before, after)
+            return forward, backward
         return new_forward, new_backward
 
-    def _reorder(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
-        new_forward, new_backward, _ = reorder.reorder_pair(forward, backward)
+    def _regathers(self) -> bool:
+        if self.config.regather is not None:
+            return self.config.regather
+        from thunder.core.compile_data import get_compile_data
+        from thunder.distributed import FSDPType
+
+        cd = get_compile_data()
+        strategies = [getattr(t, "sharding_strategy", None) for t in getattr(cd, "transforms", None) or ()]
+        return FSDPType.ZERO3 in strategies
+
+    def _reorder(self, forward: TraceCtx, backward: TraceCtx, estimate) -> tuple[TraceCtx, TraceCtx]:
+        new_forward, new_backward, _ = reorder.reorder_pair(forward, backward, estimate=estimate)
         checks.check_rewrite(forward, new_forward)
         checks.check_rewrite(backward, new_backward)
         return new_forward, new_backward
 
     def _refuse(self, trace: TraceCtx, why: str) -> TraceCtx:
+        self._warn(f"{why}; the trace is left unchanged")
+        return trace
+
+    def _warn(self, why: str) -> None:
         if self.config.strict:
             raise RuntimeError(f"FSDPMemoryTransform: {why}")
-        warnings.warn(f"FSDPMemoryTransform: {why}; the trace is left unchanged", stacklevel=3)
-        return trace
+        warnings.warn(f"FSDPMemoryTransform: {why}", stacklevel=4)
 
     def __repr__(self) -> str:
         return f"FSDPMemoryTransform({self.config})"
