@@ -12,15 +12,16 @@ tries three list schedules, as Inductor's ``reorder_for_peak_memory`` tries seve
 - ``as-late-as-possible``: the same list schedule run from the return backwards, always the latest symbol whose
   readers are placed: every symbol runs just before it is needed, what it allocates lives least.
 
-Each order gets its ``del``s placed again at last use (Thunder's ``del_last_used``); ``judge(trace)`` (the
-caller's estimator: bytes, or a tuple of them compared in order) rates it, and the lowest wins, the trace as it
-came when nothing is lower. The unpacking of arguments stays first and the return last. ``reorder_pair`` does
+The orders are ranked by a rough count of live bytes; the best, if it beats the trace's own by that count, gets
+its ``del``s placed again at last use (Thunder's ``del_last_used``) and ``judge(trace)`` (the caller's estimator:
+bytes, or a tuple of them compared in order) decides: it is kept only if lower, the trace as it came otherwise. The unpacking of arguments stays first and the return last. ``reorder_pair`` does
 this for whichever of a forward and its backward holds the step's peak, with the estimator of the step. The passes are pure: they return new traces.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 from collections.abc import Callable
 
 from thunder.core.prims import PrimIDs
@@ -33,33 +34,59 @@ ORDERS = ("frees-first", "depth-first", "as-late-as-possible")
 _IN_PLACE = frozenset({"copy_", "torch_copy__prim_impl", "update_aliases"})
 
 
-def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutable_collections: bool = False
-            ) -> tuple[TraceCtx, str]:
+def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutable_collections: bool = False,
+            current=None) -> tuple[TraceCtx, str]:
     """The lowest-peak order of ``trace`` by ``judge``, and the name of the order that won (``"as given"`` when
-    none beats the trace's own)."""
+    none beats the trace's own). ``current``: ``judge(trace)``, when the caller has it.
+
+    Judging an order means analysing a whole trace, so the orders are first ranked by a rough count (bytes each
+    symbol allocates, views aside, freed after their last reader) and only the best, if it beats the trace's own
+    order by that count, is judged."""
     bsyms = [b for b in trace.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
     start = next((i for i, b in enumerate(bsyms) if b.sym.id not in ops.UNPACK_IDS), len(bsyms))
     head, body = bsyms[:start], bsyms[start:-1]
     if not bsyms or bsyms[-1].sym.id != PrimIDs.RETURN or any(b.sym.id in ops.UNPACK_IDS for b in body):
         return trace, "as given"  # not shaped as a trace we order: unpacking first, return last
     preds = _dependencies(body)
-    best, best_name, best_peak = trace, "as given", judge(trace)
-    for name in ORDERS:
-        order = _schedule(body, preds, name)
-        if order == list(range(len(body))):
-            continue
-        candidate = from_trace(trace)
-        candidate.bound_symbols = [*head, *(body[i] for i in order), bsyms[-1]]
-        candidate = del_last_used(candidate, clear_mutable_collections=clear_mutable_collections)
-        peak = judge(candidate)
-        if peak < best_peak:
-            best, best_name, best_peak = candidate, name, peak
-    if best is not trace:
-        before = trace.get_provenance()
-        ours = before is not None and before.pss.startswith("FSDPMemoryTransform")
-        best.set_provenance(TraceProvenance(
-            f"{before.pss}; reordered ({best_name})" if ours else f"FSDPMemoryTransform: reordered ({best_name})"))
-    return best, best_name
+    returned = {a.name for a in bsyms[-1].flat_proxy_args}
+    given = _rough_peak(body, returned)
+    orders = {name: _schedule(body, preds, name) for name in ORDERS}
+    name, order = min(orders.items(), key=lambda kv: _rough_peak([body[i] for i in kv[1]], returned))
+    if _rough_peak([body[i] for i in order], returned) >= given:
+        return trace, "as given"
+    candidate = from_trace(trace)
+    candidate.bound_symbols = [*head, *(body[i] for i in order), bsyms[-1]]
+    candidate = del_last_used(candidate, clear_mutable_collections=clear_mutable_collections)
+    if judge(candidate) >= (current if current is not None else judge(trace)):
+        return trace, "as given"
+    before = trace.get_provenance()
+    ours = before is not None and before.pss.startswith("FSDPMemoryTransform")
+    candidate.set_provenance(TraceProvenance(
+        f"{before.pss}; reordered ({name})" if ours else f"FSDPMemoryTransform: reordered ({name})"))
+    return candidate, name
+
+
+def _rough_peak(seq: list, returned: set[str]) -> int:
+    """Most bytes alive at once over ``seq`` by a rough count: what each symbol allocates (views and reshapes
+    nothing), alive until its last reader, returned tensors to the end; the trace's inputs are left out (the
+    same in every order)."""
+    last: dict[str, int] = {}
+    for i, b in enumerate(seq):
+        for a in b.flat_proxy_args:
+            last[a.name] = i
+    free_at: dict[int, int] = defaultdict(int)
+    live = peak = 0
+    for i, b in enumerate(seq):
+        sid = ops.sym_id(b)
+        if not (sid in ops.VIEW_OPS or sid in ops.RESHAPE_OPS):
+            for o in ops.tensor_outputs(b):
+                size = ops.nbytes(o)
+                live += size
+                if o.name not in returned:
+                    free_at[last.get(o.name, i)] += size
+        peak = max(peak, live)
+        live -= free_at.pop(i, 0)
+    return peak
 
 
 def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate=None
@@ -78,14 +105,15 @@ def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate=None
             own = estimate_traces(trace).forward_peak_bytes
             return max(own, base.backward_peak_bytes), own
 
-        new_forward, won = reorder(forward, judge_forward)
+        new_forward, won = reorder(forward, judge_forward, current=(base.peak_bytes, base.forward_peak_bytes))
         return new_forward, backward, (won, "as given")
     if base.peak_phase == "backward":
         def judge_backward(trace):
             estimate = estimate_traces(forward, trace, reuse=base)
             return estimate.peak_bytes, estimate.backward_peak_bytes
 
-        new_backward, won = reorder(backward, judge_backward, clear_mutable_collections=True)
+        new_backward, won = reorder(backward, judge_backward, clear_mutable_collections=True,
+                                    current=(base.peak_bytes, base.backward_peak_bytes))
         return forward, new_backward, ("as given", won)
     return forward, backward, ("as given", "as given")
 
