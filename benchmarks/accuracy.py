@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from thunder_fsdp_mem import runtime  # noqa: E402
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,7 +62,7 @@ def run_one(args) -> dict:
     import torch
     from thunder.examine.memory_calculation import get_alloc_memory
 
-    from thunder_fsdp_mem import estimate_step, models, runtime
+    from thunder_fsdp_mem import estimate_step, models
 
     rank = runtime.init_distributed(args.device)
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0],
@@ -191,7 +193,7 @@ def _common(args, n_layers: int, block_size: int) -> list[str]:
 
 
 def _collect(run, out: str, err: str, returncode: int) -> dict:
-    rows = [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    rows = runtime.read_results(out)
     if returncode != 0 or not rows:
         last = (err.strip().splitlines() or ["no output"])[-1]
         print(f"[accuracy] {run}: failed: {last}", file=sys.stderr, flush=True)
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return 0
     result = run_one(args)
-    print("RESULT " + json.dumps(result), flush=True)
+    runtime.print_result(result)
     return 0
 
 

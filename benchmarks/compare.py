@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from thunder_fsdp_mem import modes as mode_table  # noqa: E402
+from thunder_fsdp_mem import runtime  # noqa: E402
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig  # noqa: E402
 from thunder_fsdp_mem.units import format_bytes  # noqa: E402
 
@@ -167,7 +168,7 @@ def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
         cmd += ["--turn-lock", lock]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    ranks = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    ranks = runtime.read_results(proc.stdout)
     if not ranks:
         return _row(mode, status=f"error: {_last_line(proc.stderr)}")
     return _merge(mode, ranks)
@@ -288,8 +289,6 @@ def worker(args) -> int:
     a collective."""
     import torch
 
-    from thunder_fsdp_mem import runtime
-
     started = time.perf_counter()
     rank = runtime.init_distributed(args.device)
     result = _row(args.worker, status="ok", rank=rank.rank)
@@ -317,7 +316,7 @@ def worker(args) -> int:
                 result.update(_measure(args, trainer, idx, targets, rank))
                 if trainer.transform is not None:
                     result["rewrites"] = [dataclasses.astuple(r) for r in trainer.transform.rewrites]
-    print("RESULT " + json.dumps(result), flush=True)
+    runtime.print_result(result)
     if result["status"] != "ok":
         return 1
     if torch.distributed.is_initialized():

@@ -1,7 +1,6 @@
 """Run under torchrun (2 gloo ranks): Thunder's fsdp, ZeRO2 and ZeRO3, for each model family and dtype given;
 prints one ``RESULT {json}`` line per configuration and rank with MemTracker's peak and estimate_step's."""
 
-import json
 import sys
 
 import thunder
@@ -31,7 +30,7 @@ def main(families: list[str]) -> None:
                        "measured": measured, "estimated": estimate.peak_bytes,
                        "gathered_saved": sum(1 for a in estimate.forward.allocations
                                              if a.category.value == "gathered parameter" and a.end is None)}
-                print("RESULT " + json.dumps(row), flush=True)
+                runtime.print_result(row)
     dist.destroy_process_group()
 
 

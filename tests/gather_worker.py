@@ -4,7 +4,6 @@ how many gathered parameters the forward holds at once and saves, with and witho
 refuses a trace whose all-gather future something other than a wait reads."""
 
 import dataclasses
-import json
 import sys
 
 import thunder
@@ -72,7 +71,7 @@ def main(*families: str) -> None:
                "n_grads": len(grads), "gathers": len(gathers.match(forward.bound_symbols)),
                "at_once": most, "at_once_mem": most_m, "saved": saved, "saved_mem": saved_m,
                "refuses": refuses_a_future_read_by_another_symbol(forward)}
-        print("RESULT " + json.dumps(row), flush=True)
+        runtime.print_result(row)
     dist.destroy_process_group()
 
 

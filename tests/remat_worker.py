@@ -3,7 +3,6 @@ and without FSDPMemoryTransform; prints one ``RESULT {json}`` line per mode and 
 gradient shard are bit for bit equal, and the bytes autograd saved for backward with and without it."""
 
 import dataclasses
-import json
 import sys
 
 import torch
@@ -41,7 +40,7 @@ def main(family: str, dtype_name: str) -> None:
         row = {"mode": mode, "rank": rank.rank, "loss_equal": bool(torch.equal(loss, loss_m)),
                "grads_equal": len(grads) == len(grads_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m)),
                "n_grads": len(grads), "saved": saved, "saved_mem": saved_m}
-        print("RESULT " + json.dumps(row), flush=True)
+        runtime.print_result(row)
     dist.destroy_process_group()
 
 

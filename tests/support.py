@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+
+from thunder_fsdp_mem import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +35,7 @@ def torchrun(script: str, *script_args: str, nproc: int = 2, timeout: int = 900)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return runtime.read_results(proc.stdout)
 
 
 def saved_bytes(fn, *args, held=()) -> int:

@@ -38,6 +38,31 @@ def init_distributed(device_type: str) -> Rank:
     return Rank(dist.get_rank(), dist.get_world_size(), device)
 
 
+RESULT = "RESULT "
+
+
+def print_result(row: dict) -> None:
+    """One worker's result, as one line in a single write: the ranks of a ``torchrun`` share its stdout, and
+    two ``print``s can interleave their text and newlines."""
+    import json
+    import sys
+
+    sys.stdout.write(f"{RESULT}{json.dumps(row)}\n")
+    sys.stdout.flush()
+
+
+def read_results(text: str) -> list[dict]:
+    """Every result ``print_result`` wrote into ``text``, also where two ranks' lines ran together."""
+    import json
+
+    decoder, rows, at = json.JSONDecoder(), [], text.find(RESULT)
+    while at >= 0:
+        row, end = decoder.raw_decode(text, at + len(RESULT))
+        rows.append(row)
+        at = text.find(RESULT, end)
+    return rows
+
+
 def executors(choice: str) -> list:
     """Thunder's default executors, with a torch.compile executor for ``cat`` first for ``default+cat`` (the
     seed's ``thunder_inductor_cat``; it claims CUDA tensors only). nvFuser is among the defaults when installed.
