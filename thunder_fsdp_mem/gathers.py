@@ -77,10 +77,11 @@ def match(bsyms: list) -> tuple[Gather, ...]:
 def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: bool = False) -> TraceCtx:
     """``trace`` with its all-gathers issued just early enough (see the module's docstring)."""
     bsyms = [b for b in trace.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
-    if not match(bsyms):
+    found = match(bsyms)
+    if not found:
         return trace
-    bsyms = _sink_waits(bsyms, match(bsyms))
-    gathers = match(bsyms)
+    bsyms = _sink_waits(bsyms, found)
+    gathers = match(bsyms)  # the same all-gathers, at their new indices
     by_wait = sorted(gathers, key=lambda g: g.wait)
     returned = {a.name for a in bsyms[-1].flat_proxy_args} if bsyms[-1].sym.id == PrimIDs.RETURN else set()
     last_read: dict[str, int] = {}

@@ -129,6 +129,11 @@ def shape(t: TensorLike) -> layout.Shape:
     return tuple(int(s) for s in t.shape)
 
 
+def is_copy_into(bsym) -> bool:
+    """An in-place copy: it writes its destination argument, whose value then changes."""
+    return bsym.sym.id == PrimIDs.COPY_ or sym_id(bsym) in ("copy_", "torch_copy__prim_impl")
+
+
 def is_fusion(bsym) -> bool:
     return bool(getattr(bsym.sym, "is_fusion", False))
 

@@ -131,7 +131,7 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
             continue
         if sid in (PrimIDs.DEL, PrimIDs.RETURN):
             continue
-        if ops.sym_id(bsym) in ("copy_", "torch_copy__prim_impl") or sid == PrimIDs.COPY_:
+        if ops.is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
         can[i] = recomputable(bsym)
         for o in bsym.flat_proxy_outs:
@@ -284,8 +284,7 @@ def _drop_repeats(bsyms: list) -> list:
     """``bsyms`` with each cheap deterministic symbol (``recomputable``, not a fusion) that repeats an earlier one
     (same op, same executor, same arguments) dropped, and its outputs' readers reading the earlier outputs instead.
     Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols."""
-    written = {a.name for b in bsyms if ops.sym_id(b) in ("copy_", "torch_copy__prim_impl") or b.sym.id == PrimIDs.COPY_
-               for a in b.flat_proxy_args}
+    written = {a.name for b in bsyms if ops.is_copy_into(b) for a in b.flat_proxy_args}
     first: dict[tuple, object] = {}
     swap: dict = {}
     out = []

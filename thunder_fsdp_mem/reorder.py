@@ -14,8 +14,10 @@ tries three list schedules, as Inductor's ``reorder_for_peak_memory`` tries seve
 
 The orders are ranked by a rough count of live bytes; the best, if it beats the trace's own by that count, gets
 its ``del``s placed again at last use (Thunder's ``del_last_used``) and ``judge(trace)`` (the caller's estimator:
-bytes, or a tuple of them compared in order) decides: it is kept only if lower, the trace as it came otherwise. The unpacking of arguments stays first and the return last. ``reorder_pair`` does
-this for whichever of a forward and its backward holds the step's peak, with the estimator of the step. The passes are pure: they return new traces.
+bytes, or a tuple of them compared in order) decides: it is kept only if lower, the trace as it came otherwise.
+The unpacking of arguments stays first and the return last. ``reorder_pair`` does this for whichever of a
+forward and its backward holds the step's peak, with the estimator of the step. The passes are pure: they return
+new traces.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from thunder.executors.passes import del_last_used
 from thunder_fsdp_mem import ops
 
 ORDERS = ("frees-first", "depth-first", "as-late-as-possible")
-_IN_PLACE = frozenset({"copy_", "torch_copy__prim_impl", "update_aliases"})
 
 
 def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutable_collections: bool = False,
@@ -49,10 +50,12 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
         return trace, "as given"  # not shaped as a trace we order: unpacking first, return last
     preds = _dependencies(body)
     returned = {a.name for a in bsyms[-1].flat_proxy_args}
-    given = _rough_peak(body, returned)
-    orders = {name: _schedule(body, preds, name) for name in ORDERS}
-    name, order = min(orders.items(), key=lambda kv: _rough_peak([body[i] for i in kv[1]], returned))
-    if _rough_peak([body[i] for i in order], returned) >= given:
+    ranked = []
+    for name in ORDERS:
+        order = _schedule(body, preds, name)
+        ranked.append((_rough_peak([body[i] for i in order], returned), name, order))
+    rough, name, order = min(ranked, key=lambda r: r[0])
+    if rough >= _rough_peak(body, returned):
         return trace, "as given"
     candidate = from_trace(trace)
     candidate.bound_symbols = [*head, *(body[i] for i in order), bsyms[-1]]
@@ -123,12 +126,17 @@ def pinned(bsym) -> bool:
     issue the same collectives in the same order), in-place copies, symbols with no tensor outputs (their effect
     is not data), and symbols of executors we do not know."""
     sid = ops.sym_id(bsym)
-    if sid in ops.COLLECTIVES or sid in ops.WAITS or sid in _IN_PLACE or bsym.sym.id == PrimIDs.COPY_:
+    if sid in ops.COLLECTIVES or sid in ops.WAITS or _writes(bsym):
         return True
     if not ops.tensor_outputs(bsym):
         return True
     executor = getattr(bsym.sym.executor, "name", None)
     return not ops.is_fusion(bsym) and executor is not None and executor not in ops.KNOWN_EXECUTORS
+
+
+def _writes(bsym) -> bool:
+    """Symbols that change an argument in place: copies, and Thunder's ``update_aliases``."""
+    return ops.is_copy_into(bsym) or ops.sym_id(bsym) == "update_aliases"
 
 
 def _dependencies(body: list) -> list[set[int]]:
@@ -144,7 +152,7 @@ def _dependencies(body: list) -> list[set[int]]:
             if last_pinned is not None:
                 mine.add(last_pinned)
             last_pinned = i
-            if ops.sym_id(b) in _IN_PLACE or b.sym.id == PrimIDs.COPY_:
+            if _writes(b):
                 mine.update(j for a in b.flat_proxy_args for j in readers.get(a.name, ()))
         preds.append(mine)
         for a in b.flat_proxy_args:

@@ -5,7 +5,9 @@ Nothing here reads the environment except ``init_distributed``, which reads what
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +46,12 @@ RESULT = "RESULT "
 def print_result(row: dict) -> None:
     """One worker's result, as one line in a single write: the ranks of a ``torchrun`` share its stdout, and
     two ``print``s can interleave their text and newlines."""
-    import json
-    import sys
-
     sys.stdout.write(f"{RESULT}{json.dumps(row)}\n")
     sys.stdout.flush()
 
 
 def read_results(text: str) -> list[dict]:
     """Every result ``print_result`` wrote into ``text``, also where two ranks' lines ran together."""
-    import json
-
     decoder, rows, at = json.JSONDecoder(), [], text.find(RESULT)
     while at >= 0:
         row, end = decoder.raw_decode(text, at + len(RESULT))
