@@ -1,10 +1,13 @@
 """Run under torchrun (2 gloo ranks): Thunder's fsdp, ZeRO2 and ZeRO3, with and without FSDPMemoryTransform, for
-each model family named; prints one ``RESULT {json}`` line per family, strategy and rank: whether loss and every gradient shard are bit for bit equal,
-how many gathered parameters the forward holds at once and saves, with and without, and whether ``gathers.match``
-refuses a trace whose all-gather future something other than a wait reads."""
+each model family named; prints one ``RESULT {json}`` line per family, strategy and rank: whether loss and every
+gradient shard are bit for bit equal (also with the transform listed after an FSDPTransform in ``thunder.jit``),
+how many gathered parameters the forward holds at once and saves and how many reduce-scatters the backward has
+in flight at once, with and without, and whether ``gathers.match`` and ``scatters.match`` refuse a trace whose
+future something other than a wait reads."""
 
 import dataclasses
 import sys
+import warnings
 
 import thunder
 import torch
@@ -12,19 +15,37 @@ import torch.distributed as dist
 from thunder.core.prims import PrimIDs
 
 from configs import BY_NAME
-from thunder_fsdp_mem import gathers, models, modes, ops, recompute, runtime
+from thunder_fsdp_mem import gathers, models, modes, ops, recompute, runtime, scatters
 from thunder_fsdp_mem.config import MemoryConfig
 
 
 def _step(mode, spec, rank, shard):
     trainer = modes.build(mode, spec, rank, shard=shard, executors="default", dtype=torch.bfloat16,
                           memory=MemoryConfig(strict=True))
+    return _run(trainer.model, spec, rank)
+
+
+def _step_listed(spec, rank, shard):
+    """The transform listed after Thunder's FSDPTransform in one ``thunder.jit``."""
+    from thunder.distributed import FSDPType
+    from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+    from thunder_fsdp_mem import FSDPMemoryTransform
+
+    model = modes._gpt(spec, rank, torch.bfloat16)  # the model modes.build wraps, initialised the same way
+    strategy = {"zero2": FSDPType.ZERO2, "zero3": FSDPType.ZERO3}[shard]
+    jitted = thunder.jit(model, executors=runtime.executors("default"), transforms=[
+        FSDPTransform(device=rank.device, sharding_strategy=strategy), FSDPMemoryTransform(strict=True)])
+    return _run(jitted, spec, rank)
+
+
+def _run(model, spec, rank):
     idx, targets = models.batch(spec, seed=rank.rank)
-    logits = trainer.model(idx)
+    logits = model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()
-    grads = [p.grad.clone() for p in trainer.model.parameters()]
-    return loss.detach(), grads, thunder.last_traces(trainer.jitted)[-1]
+    grads = [p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, thunder.last_traces(model)[-1], thunder.last_backward_traces(model)[-1]
 
 
 def gathered_at_once(forward) -> tuple[int, int]:
@@ -46,6 +67,55 @@ def gathered_at_once(forward) -> tuple[int, int]:
     return most, saved
 
 
+def scatters_in_flight(backward) -> int:
+    """The most reduce-scatters issued and not yet waited for at one time, read off the trace."""
+    futures = {b.flat_proxy_outs[0].name for b in backward.bound_symbols if ops.sym_id(b) == ops.REDUCE_SCATTER}
+    alive, most = 0, 0
+    for b in backward.bound_symbols:
+        if ops.sym_id(b) == ops.REDUCE_SCATTER:
+            alive += 1
+        elif ops.sym_id(b) in ops.WAITS and any(a.name in futures for a in b.flat_proxy_args):
+            alive -= 1
+        most = max(most, alive)
+    return most
+
+
+def scatters_refuse_a_future_read_by_another_symbol(backward) -> bool:
+    bsyms = [b for b in backward.bound_symbols if b.sym.id != PrimIDs.DEL]
+    s = scatters.match(bsyms)[0]
+    exp = next(b for b in bsyms if ops.sym_id(b) in ops.ELEMENTWISE_OPS)
+    bsyms[s.wait] = bsyms[s.wait].from_bsym(sym=exp.sym)
+    try:
+        scatters.match(bsyms)
+    except scatters.ScatterError as e:
+        return "is not read by one wait" in str(e)
+    return False
+
+
+def transform_warns_and_keeps(forward, backward) -> bool:
+    """FSDPMemoryTransform given a forward whose all-gather future an elementwise op reads: one warning naming
+    the future, and the all-gathers left as they were (the other passes off, so nothing else changes)."""
+    from thunder.core.trace import from_trace
+
+    from thunder_fsdp_mem import FSDPMemoryTransform
+
+    bsyms = list(forward.bound_symbols)
+    g = gathers.match(bsyms)[0]
+    exp = next(b for b in bsyms if ops.sym_id(b) in ops.ELEMENTWISE_OPS)
+    bsyms[g.wait] = bsyms[g.wait].from_bsym(sym=exp.sym)
+    broken = from_trace(forward)
+    broken.bound_symbols = bsyms
+    future = bsyms[g.gather].flat_proxy_outs[0].name
+    transform = FSDPMemoryTransform(MemoryConfig(rematerialize=False, reorder=False, scatters=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        placeholder = transform.transform_trace_post_optimization(broken)
+        new_backward = transform.transform_trace_post_optimization(backward)
+    ours = [str(w.message) for w in caught if "FSDPMemoryTransform" in str(w.message)]
+    return (len(ours) == 1 and "all-gathers left as they were" in ours[0] and future in ours[0]
+            and list(placeholder.bound_symbols) == bsyms and new_backward is backward)
+
+
 def refuses_a_future_read_by_another_symbol(forward) -> bool:
     bsyms = list(forward.bound_symbols)
     g = gathers.match(bsyms)[0]
@@ -62,17 +132,28 @@ def main(*families: str) -> None:
     rank = runtime.init_distributed("cpu")
     for family, shard in ((f, s) for f in families for s in ("zero2", "zero3")):
         spec = dataclasses.replace(BY_NAME[family], n_layers=1)
-        loss, grads, forward = _step("thunder-fsdp", spec, rank, shard)
-        loss_m, grads_m, forward_m = _step("thunder-fsdp+mem", spec, rank, shard)
+        loss, grads, forward, backward = _step("thunder-fsdp", spec, rank, shard)
+        loss_m, grads_m, forward_m, backward_m = _step("thunder-fsdp+mem", spec, rank, shard)
+        loss_l, grads_l, forward_l, _ = _step_listed(spec, rank, shard)
         most, saved = gathered_at_once(forward)
         most_m, saved_m = gathered_at_once(forward_m)
         row = {"family": family, "shard": shard, "rank": rank.rank, "loss_equal": bool(torch.equal(loss, loss_m)),
-               "grads_equal": len(grads) == len(grads_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m)),
-               "n_grads": len(grads), "gathers": len(gathers.match(forward.bound_symbols)),
+               "grads_equal": _equal(grads, grads_m), "n_grads": len(grads),
+               "listed_equal": bool(torch.equal(loss, loss_l)) and _equal(grads, grads_l),
+               "listed_saved": gathered_at_once(forward_l)[1],
+               "gathers": len(gathers.match(forward.bound_symbols)),
                "at_once": most, "at_once_mem": most_m, "saved": saved, "saved_mem": saved_m,
-               "refuses": refuses_a_future_read_by_another_symbol(forward)}
+               "scatters": sum(ops.sym_id(b) == ops.REDUCE_SCATTER for b in backward.bound_symbols),
+               "scatters_at_once": scatters_in_flight(backward), "scatters_at_once_mem": scatters_in_flight(backward_m),
+               "refuses": refuses_a_future_read_by_another_symbol(forward),
+               "warns": transform_warns_and_keeps(forward, backward),
+               "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward)}
         runtime.print_result(row)
     dist.destroy_process_group()
+
+
+def _equal(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 if __name__ == "__main__":

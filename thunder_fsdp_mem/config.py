@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 DEFAULT_RECOMPUTE_WEIGHT = 0.04
 DEFAULT_MAX_INFLIGHT_ALLGATHERS = 2
+DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +24,10 @@ class MemoryConfig:
     gathers: under Thunder's fsdp, schedule the all-gathers (``gathers.py``).
     max_inflight_allgathers: under Thunder's fsdp, how many all-gathers may be in flight ahead of the one being
         waited for (``gathers.py``; an int >= 1).
+    scatters: under Thunder's fsdp, issue each gradient's reduce-scatter as soon as the gradient is complete
+        (``scatters.py``).
+    max_inflight_reduce_scatters: under Thunder's fsdp, how many reduce-scatters may be in flight before the
+        oldest is waited for (``scatters.py``; an int >= 1).
     regather: under Thunder's fsdp, save parameter shards instead of gathered parameters and gather again in
         backward. None (the default) does so when the model is sharded with ZeRO3.
     strict: raise instead of warning when a trace is not understood or a rewrite fails its checks (a warning
@@ -34,17 +39,19 @@ class MemoryConfig:
     reorder: bool = True
     gathers: bool = True
     max_inflight_allgathers: int = DEFAULT_MAX_INFLIGHT_ALLGATHERS
+    scatters: bool = True
+    max_inflight_reduce_scatters: int = DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
     regather: bool | None = None
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("rematerialize", "reorder", "gathers", "strict"):
+        for name in ("rematerialize", "reorder", "gathers", "scatters", "strict"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
         w = self.recompute_weight
         _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")
-        n = self.max_inflight_allgathers
-        _check("max_inflight_allgathers", n, isinstance(n, int) and not isinstance(n, bool) and n >= 1,
-               "an int >= 1")
+        for name in ("max_inflight_allgathers", "max_inflight_reduce_scatters"):
+            n = getattr(self, name)
+            _check(name, n, isinstance(n, int) and not isinstance(n, bool) and n >= 1, "an int >= 1")
         _check("regather", self.regather, self.regather is None or isinstance(self.regather, bool),
                "True, False or None (as the sharding strategy says)")
 

@@ -8,7 +8,8 @@ collections (the lists a backward receives) and tensors are objects with referen
 storage; views and aliases are new tensors on the same storage (see ``ops.classify``); ``del`` drops a name,
 ``clear_mutable_collection`` drops a list's references, and a storage is freed when nothing refers to it.
 Tensors held outside the trace (module parameters, the caller's inputs) are never freed by it; what the trace
-returns stays alive. The memory inside an op is its inputs, its outputs and its workspace, all at once.
+returns stays alive. A reduce-scatter's input stays alive until the wait of its future (the process group holds
+it while the collective runs). The memory inside an op is its inputs, its outputs and its workspace, all at once.
 
 Cost model: bytes are ``numel * itemsize`` of the allocation, with no allocator rounding (what ``MemTracker``
 counts on CPU, and ``max_memory_allocated`` up to 512-byte rounding on CUDA). One pass over the bound symbols,
@@ -136,6 +137,7 @@ class _Walk:
         self.live = 0
         self.index = 0
         self.unknown: list[str] = []
+        self.held: dict[str, int] = {}  # a reduce-scatter's future -> the input it holds until its wait
         self.returned: dict[str, int] = {}
         self.forward_saved: list[str] = []
         self.forward_output: list[str] = []
@@ -298,6 +300,11 @@ class _Walk:
             alloc = self.obj_alloc[self.obj_of[first.name]]
             if alloc is not None and self.allocs[alloc][2] is Category.TEMPORARY:
                 self.allocs[alloc][2] = Category.COMM_BUFFER
+            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs:
+                # The process group holds the input until the collective is waited for, whatever the trace dels.
+                held = self.obj_of[first.name]
+                self._incref(held)
+                self.held[bsym.flat_proxy_outs[0].name] = held
         source = _source(bsym)
         for out in effect.outputs:
             name = out.proxy.name
@@ -311,6 +318,11 @@ class _Walk:
             self.strides[name] = out.strides
             obj = self._new_obj(name, alloc, None)
             self._incref(obj)
+        if sid in ops.WAITS:
+            for a in bsym.flat_proxy_args:
+                held = self.held.pop(a.name, None)
+                if held is not None:
+                    self._decref(held)
 
     def _return(self, bsym) -> None:
         for name in ops.proxy_names(bsym.args):

@@ -16,10 +16,11 @@ import logging
 import warnings
 from dataclasses import dataclass
 
+from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fsdp_mem import checks, gathers, ops, recompute, reorder
+from thunder_fsdp_mem import checks, gathers, ops, recompute, reorder, scatters
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.step import estimate_traces
 
@@ -54,15 +55,16 @@ class FSDPMemoryTransform(Transform):
 
     It chooses what the forward saves for backward (``MemoryConfig.rematerialize``, ``recompute_weight``); under
     Thunder's fsdp it issues all-gathers in a window and, with ZeRO3, gathers parameters again in backward
-    (``gathers``, ``max_inflight_allgathers``, ``regather``); it orders each trace for a lower peak (``reorder``).
-    Under Thunder's fsdp, jit first and shard after::
+    (``gathers``, ``max_inflight_allgathers``, ``regather``), and issues each reduce-scatter as soon as its
+    gradient is complete (``scatters``, ``max_inflight_reduce_scatters``); it orders each trace for a lower peak
+    (``reorder``). Under Thunder's fsdp, either jit first and shard after, or list it after the FSDPTransform::
 
         model = fsdp(thunder.jit(model, transforms=[FSDPMemoryTransform()]), sharding_strategy=FSDPType.ZERO3)
+        model = thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
+                                               FSDPMemoryTransform()])
 
-    Limitations:
-        - Reduce-scatters stay where Thunder puts them (at the end of the backward).
-        - It holds one forward between Thunder's forward and backward calls and nothing after: ThunderFX shares
-          one instance across all subgraphs.
+    Limitation: it holds one forward between Thunder's forward and backward calls and nothing after (ThunderFX
+    shares one instance across all subgraphs).
     """
 
     def __init__(self, config: MemoryConfig | None = None, *, strict: bool | None = None):
@@ -77,7 +79,7 @@ class FSDPMemoryTransform(Transform):
         self.rewrites: list[Rewrite] = []  # a record for reports; nothing reads it back
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
-        if not (self.config.rematerialize or self.config.gathers or self.config.reorder):
+        if not (self.config.rematerialize or self.config.gathers or self.config.scatters or self.config.reorder):
             return computation_trace
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             placeholder = from_trace(computation_trace)
@@ -114,6 +116,11 @@ class FSDPMemoryTransform(Transform):
                 forward, backward = self._schedule_gathers(forward, backward)
             except gathers.GatherError as e:  # the other passes still apply
                 self._warn(f"all-gathers left as they were: {e}")
+        if self.config.scatters and any(ops.sym_id(b) == ops.REDUCE_SCATTER for b in backward.bound_symbols):
+            try:
+                backward = self._schedule_scatters(forward, backward)
+            except scatters.ScatterError as e:
+                self._warn(f"reduce-scatters left as they were: {e}")
         return forward, backward
 
     def _rematerialize(self, forward: TraceCtx, backward: TraceCtx):
@@ -160,6 +167,29 @@ class FSDPMemoryTransform(Transform):
                      "bytes", before, after)
             return forward, backward
         return new_forward, new_backward
+
+    def _schedule_scatters(self, forward: TraceCtx, backward: TraceCtx) -> TraceCtx:
+        """Under Thunder's fsdp: each reduce-scatter issued when its gradient is complete, in a window, where the
+        estimate leaves room for what an in-flight reduce-scatter holds; kept if the estimated peak does not
+        rise."""
+        before = estimate_traces(forward, backward)
+        timeline = before.backward
+        headroom = before.peak_bytes - (before.backward_peak_bytes - timeline.peak_bytes)
+        room, highest = [0] * len(timeline.op_peaks), 0
+        for i in range(len(room) - 1, -1, -1):  # room below the step's peak from symbol i to the end
+            highest = max(highest, timeline.op_peaks[i])
+            room[i] = headroom - highest
+        new_backward = scatters.schedule(backward, self.config.max_inflight_reduce_scatters, room=room,
+                                         clear_mutable_collections=True)
+        if new_backward is backward:
+            return backward
+        checks.check_rewrite(backward, new_backward, ordered=False)
+        after = estimate_traces(forward, new_backward, reuse=before).peak_bytes
+        if after > before.peak_bytes:
+            log.info("FSDPMemoryTransform: reduce-scatter schedule kept out, it would raise the peak from %d to %d "
+                     "bytes", before.peak_bytes, after)
+            return backward
+        return new_backward
 
     def _regathers(self) -> bool:
         if self.config.regather is not None:
