@@ -4,6 +4,9 @@
         [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] [--steps 10] \\
         [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--json out.json] [--plot out.png]
 
+A +mem mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1`` (``w``:
+``recompute_weight``, ``ag``: ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``).
+
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
 the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_allocated``,
@@ -116,10 +119,38 @@ def validate(args) -> list[str]:
     if args.modes == "all":
         return list(valid)
     chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in valid]
+    unknown = [m for m in chosen if split_variant(m)[0] not in valid]
     if unknown or not chosen:
         raise UsageError(f"unknown mode {', '.join(unknown) or repr(args.modes)}; valid modes: {', '.join(valid)}")
+    for m in chosen:
+        base, options = split_variant(m)
+        if options and not base.endswith("+mem"):
+            raise UsageError(f"mode {m!r}: only +mem modes take @options")
+        try:
+            MemoryConfig(**options)
+        except (TypeError, ValueError) as e:
+            raise UsageError(f"mode {m!r}: {e}") from None
     return chosen
+
+
+VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters"}
+
+
+def split_variant(mode: str) -> tuple[str, dict]:
+    """``thunder-fsdp+mem@w=0.1@ag=1`` -> (``thunder-fsdp+mem``, MemoryConfig options): a +mem mode with its own
+    recompute weight (``w``) or windows (``ag``: all-gathers, ``rs``: reduce-scatters), so that one table can
+    hold several."""
+    base, *parts = mode.split("@")
+    options = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in VARIANT_KEYS:
+            raise UsageError(f"mode {mode!r}: unknown option {key!r}; known: {', '.join(VARIANT_KEYS)}")
+        try:
+            options[VARIANT_KEYS[key]] = float(value) if key == "w" else int(value)
+        except ValueError:
+            raise UsageError(f"mode {mode!r}: {key} must be a number, got {value!r}") from None
+    return base, options
 
 
 def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
@@ -132,10 +163,10 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
         sys.stderr.flush()
 
     def one(i: int, mode: str, lock: str | None) -> dict:
-        if mode in mode_table.CUDA_ONLY and args.device != "cuda":
+        if split_variant(mode)[0] in mode_table.CUDA_ONLY and args.device != "cuda":
             progress(i, mode, "skipped (needs CUDA)")
             return _row(mode, status="skipped: needs CUDA")
-        nproc = 1 if mode in mode_table.SINGLE_MODES else args.nproc_per_node
+        nproc = 1 if split_variant(mode)[0] in mode_table.SINGLE_MODES else args.nproc_per_node
         progress(i, mode, f"running on {nproc} rank(s), compiling first...")
         start = time.perf_counter()
         row = _run_mode(args, mode, nproc, lock)
@@ -212,7 +243,9 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
     return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
                 alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
                 tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"),
-                setup_s=worst("setup_s"), **({"rewrites": ranks[0]["rewrites"]} if "rewrites" in ranks[0] else {}))
+                setup_s=worst("setup_s"),
+                **{k: ranks[0][k] for k in ("rewrites", "estimated_peak_phase", "gathered_at_peak",
+                                            "gathered_at_peak_bytes") if k in ranks[0]})
 
 
 def table(rows: list[dict]) -> str:
@@ -295,7 +328,7 @@ def worker(args) -> int:
     if args.memory_cap_gb is not None and args.device == "cuda":
         total = torch.cuda.get_device_properties(rank.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
-    ahead = args.turn_lock is not None and args.worker in mode_table.COMPILES_AHEAD
+    ahead = args.turn_lock is not None and split_variant(args.worker)[0] in mode_table.COMPILES_AHEAD
     setup = None
     if ahead:
         with _failures_as_status(result):
@@ -330,12 +363,13 @@ def _setup(args, rank, result: dict):
     from thunder_fsdp_mem import models
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    trainer = mode_table.build(args.worker, spec, rank, shard=args.shard, executors=args.executors,
+    mode, options = split_variant(args.worker)
+    trainer = mode_table.build(mode, spec, rank, shard=args.shard, executors=args.executors,
                                dtype=models.DTYPES[args.dtype],
-                               memory=MemoryConfig(recompute_weight=args.recompute_weight))
+                               memory=MemoryConfig(**{"recompute_weight": args.recompute_weight, **options}))
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
-    result["estimated_peak_bytes"] = _estimate(trainer)
+    result.update(_estimate(trainer))
     return trainer, idx, targets
 
 
@@ -418,14 +452,19 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
             "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s}
 
 
-def _estimate(trainer) -> int | None:
+def _estimate(trainer) -> dict:
     """``estimate_step`` of the ThunderModule, compiled but not yet run, with the eager cross-entropy and the state
-    the optimizer will hold, where the mode has a ThunderModule."""
+    the optimizer will hold, where the mode has a ThunderModule: the peak, and how many gathered parameters (and
+    their bytes) are alive at it."""
     if trainer.jitted is None:
-        return None
+        return {}
     from thunder_fsdp_mem import estimate_step
+    from thunder_fsdp_mem.categories import Category
 
-    return estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer).peak_bytes
+    step = estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer)
+    gathered = [a for a in step.live_at_peak if a.category is Category.GATHERED_PARAMETER]
+    return {"estimated_peak_bytes": step.peak_bytes, "estimated_peak_phase": step.peak_phase,
+            "gathered_at_peak": len(gathered), "gathered_at_peak_bytes": sum(a.nbytes for a in gathered)}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ in flight at once, with and without, and whether ``gathers.match`` and ``scatter
 future something other than a wait reads."""
 
 import dataclasses
+import os
 import sys
 import warnings
 
@@ -40,7 +41,7 @@ def _step_listed(spec, rank, shard):
 
 
 def _run(model, spec, rank):
-    idx, targets = models.batch(spec, seed=rank.rank)
+    idx, targets = models.batch(spec, seed=rank.rank, device=rank.device)
     logits = model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()
@@ -129,7 +130,7 @@ def refuses_a_future_read_by_another_symbol(forward) -> bool:
 
 
 def main(*families: str) -> None:
-    rank = runtime.init_distributed("cpu")
+    rank = runtime.init_distributed(os.environ.get("GATHER_WORKER_DEVICE", "cpu"))  # cuda: the same on GPUs
     for family, shard in ((f, s) for f in families for s in ("zero2", "zero3")):
         spec = dataclasses.replace(BY_NAME[family], n_layers=1)
         loss, grads, forward, backward = _step("thunder-fsdp", spec, rank, shard)

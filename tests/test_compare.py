@@ -77,6 +77,9 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
         (["--device", "cuda", "--nproc-per-node", "64"], "GPUs present"),
         (["--steps", "0", "--device", "cpu"], "--steps must be at least 1"),
         (["--jobs", "0", "--device", "cpu"], "--jobs must be at least 1"),
+        (["--modes", "thunder-fsdp@w=0.1", "--device", "cpu"], "only +mem modes take @options"),
+        (["--modes", "thunder-fsdp+mem@x=1", "--device", "cpu"], "unknown option 'x'"),
+        (["--modes", "thunder-fsdp+mem@ag=0", "--device", "cpu"], "max_inflight_allgathers must be an int >= 1"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):

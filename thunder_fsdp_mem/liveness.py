@@ -8,8 +8,9 @@ collections (the lists a backward receives) and tensors are objects with referen
 storage; views and aliases are new tensors on the same storage (see ``ops.classify``); ``del`` drops a name,
 ``clear_mutable_collection`` drops a list's references, and a storage is freed when nothing refers to it.
 Tensors held outside the trace (module parameters, the caller's inputs) are never freed by it; what the trace
-returns stays alive. A reduce-scatter's input stays alive until the wait of its future (the process group holds
-it while the collective runs). The memory inside an op is its inputs, its outputs and its workspace, all at once.
+returns stays alive. On CUDA a reduce-scatter's input stays alive until the wait of its future (NCCL holds it
+while the collective runs; gloo on CPU does not). The memory inside an op is its inputs, its outputs and its
+workspace, all at once.
 
 Cost model: bytes are ``numel * itemsize`` of the allocation, with no allocator rounding (what ``MemTracker``
 counts on CPU, and ``max_memory_allocated`` up to 512-byte rounding on CUDA). One pass over the bound symbols,
@@ -300,8 +301,9 @@ class _Walk:
             alloc = self.obj_alloc[self.obj_of[first.name]]
             if alloc is not None and self.allocs[alloc][2] is Category.TEMPORARY:
                 self.allocs[alloc][2] = Category.COMM_BUFFER
-            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs:
-                # The process group holds the input until the collective is waited for, whatever the trace dels.
+            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs and getattr(first.device, "type", None) == "cuda":
+                # NCCL holds the input until the collective is waited for, whatever the trace dels (Thunder has
+                # it stash tensors rather than record streams); gloo on CPU does not.
                 held = self.obj_of[first.name]
                 self._incref(held)
                 self.held[bsym.flat_proxy_outs[0].name] = held

@@ -60,7 +60,7 @@ class FSDPMemoryTransform(Transform):
     (``reorder``). Under Thunder's fsdp, either jit first and shard after, or list it after the FSDPTransform::
 
         model = fsdp(thunder.jit(model, transforms=[FSDPMemoryTransform()]), sharding_strategy=FSDPType.ZERO3)
-        model = thunder.jit(model, transforms=[FSDPTransform(sharding_strategy=FSDPType.ZERO3),
+        model = thunder.jit(model, transforms=[FSDPTransform(device=device, sharding_strategy=FSDPType.ZERO3),
                                                FSDPMemoryTransform()])
 
     Limitation: it holds one forward between Thunder's forward and backward calls and nothing after (ThunderFX
