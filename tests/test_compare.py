@@ -87,3 +87,19 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert proc.returncode == 2
     err = [line for line in proc.stderr.splitlines() if "warn" not in line.lower()]
     assert len(err) == 1 and message in err[0], proc.stderr
+
+
+def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path, capsys):
+    # `thunder-fsdp-mem report` traces on the meta device over 2 fake ranks; the rows were measured by MemTracker
+    # on 2 real gloo ranks running the same step (GPT, eager cross-entropy, AdamW).
+    from thunder_fsdp_mem.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "2", "--block-size", "128", "--mode",
+                 "thunder-fsdp", "--world-size", "2", "--shard", "zero2", "--device", "cpu", "--transform",
+                 "--json", str(out)]) == 0
+    without, with_it = json.loads(out.read_text())["plans"]
+    rows = {r["mode"]: r for r in comparison[0]["rows"]}
+    for plan, mode in ((without, "thunder-fsdp"), (with_it, "thunder-fsdp+mem")):
+        measured = rows[mode]["peak_bytes"]
+        assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)

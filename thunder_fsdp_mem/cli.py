@@ -4,10 +4,14 @@ line to stderr and exit with 2."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 DEFAULT_MODEL = "pythia-70m"
+DEFAULT_MODE = "thunder-fsdp"
 
 
 class _UsageError(Exception):
@@ -20,16 +24,30 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from thunder_fsdp_mem.emulate import DEVICE_TYPES, MODES, SHARDS
+
     parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
-    report = sub.add_parser("report", help="memory report of one training step of a litgpt model")
+    report = sub.add_parser(
+        "report", help="memory report of one training step of a litgpt model, predicted on the meta device")
     report.add_argument("--model", default=DEFAULT_MODEL, help=f"litgpt configuration name (default {DEFAULT_MODEL})")
     report.add_argument("--n-layers", type=int, default=None, help="number of blocks (default: the model's)")
     report.add_argument("--block-size", type=int, default=512, help="sequence length (default 512)")
-    report.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step (default 1)")
+    report.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step and rank (default 1)")
     report.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
-    report.add_argument("--top", type=int, default=10, help="allocations to list at the peak (default 10)")
+    report.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                        help=f"jit: thunder.jit on one device; thunder-fsdp: Thunder's fsdp (default {DEFAULT_MODE})")
+    report.add_argument("--shard", choices=SHARDS, default=None, help="FSDP sharding of thunder-fsdp (default zero2)")
+    report.add_argument("--world-size", type=int, default=None,
+                        help="ranks of thunder-fsdp, emulated by a fake process group (default 2; jit: 1)")
+    report.add_argument("--device", choices=DEVICE_TYPES, default="cuda",
+                        help="the device whose run is predicted (default cuda: Thunder's CUDA attention kernels)")
+    report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
+                        help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
+    report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
+    report.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")
     return parser
 
 
@@ -52,29 +70,58 @@ def _validate(args) -> None:
         raise _UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if args.top < 0:
         raise _UsageError(f"--top must be 0 or more, got {args.top}")
+    if args.world_size is not None and args.world_size < 1:
+        raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.mode == "jit":
+        if args.shard is not None:
+            raise _UsageError("--shard applies to --mode thunder-fsdp, not to --mode jit (one device)")
+        if args.world_size not in (None, 1):
+            raise _UsageError(f"--mode jit runs on one device; --world-size {args.world_size} needs --mode thunder-fsdp")
+        args.world_size = 1
+    else:
+        args.shard = args.shard or "zero2"
+        args.world_size = args.world_size or 2
+    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise _UsageError(f"cannot write {option} {path}: no such directory {folder}")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".svg", ".pdf"):
+        raise _UsageError(f"--plot {args.plot}: the file name must end in .png, .svg or .pdf")
+    from litgpt.config import name_to_config
+
+    if args.model not in name_to_config:
+        close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
+        hint = f"; closest: {', '.join(close)}" if close else "; see litgpt's list of configurations"
+        raise _UsageError(f"unknown litgpt model {args.model!r}{hint}")
 
 
 def _report(args) -> int:
-    import thunder
-
     from thunder_fsdp_mem import models
-    from thunder_fsdp_mem.report import build_report, render_json, render_text
-    from thunder_fsdp_mem.step import estimate_step
+    from thunder_fsdp_mem.config import MemoryConfig
+    from thunder_fsdp_mem.emulate import trace_step
+    from thunder_fsdp_mem.report import build_report, render_json, render_plot, render_text
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    n_layers = spec.config().n_layer
+    plans = [None, MemoryConfig()] if args.transform else [None]
+    steps = []
     try:
-        spec.config()
-    except ValueError as e:
-        raise _UsageError(f"{e}; see litgpt's list of configurations") from None
-    # Traced on the meta device: Thunder runs every op for its shapes only, so no memory and no compute.
-    model = models.build(spec, dtype=models.DTYPES[args.dtype], device="meta")
-    idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device="meta")
-    jitted = thunder.jit(model)
-    jitted(idx, targets).backward()
-    step = estimate_step(jitted)
-    title = (f"{args.model}, {spec.config().n_layer} layers, {args.block_size} tokens x {args.micro_batch_size}, "
-             f"{args.dtype}, thunder.jit, traced on the meta device")
-    report = build_report(step, title=title, top=args.top)
+        with _progress(len(plans), f"tracing {n_layers} layers on the meta device") as advance:
+            for memory in plans:
+                steps.append(trace_step(spec, mode=args.mode, shard=args.shard, world_size=args.world_size,
+                                        device_type=args.device, dtype=models.DTYPES[args.dtype],
+                                        micro_batch_size=args.micro_batch_size, memory=memory))
+                advance()
+    except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
+        if args.verbose:
+            raise
+        print(f"thunder-fsdp-mem: internal error while tracing: {type(e).__name__}: {e} (run with -v for the "
+              f"traceback)", file=sys.stderr)
+        return 1
+    where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
+    title = (f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
+             f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device")
+    report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None)
     print(render_text(report))
     if args.json:
         try:
@@ -82,7 +129,23 @@ def _report(args) -> int:
                 json.dump(render_json(report), f, indent=2)
         except OSError as e:
             raise _UsageError(f"cannot write --json {args.json}: {e.strerror}") from None
+    if args.plot:
+        render_plot(report, args.plot)
     return 0
+
+
+@contextmanager
+def _progress(total: int, what: str):
+    """A progress bar on stderr over the traces to make (each takes minutes at 32 layers)."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    from rich.console import Console
+
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task(what, total=total)
+        yield lambda: progress.advance(task)
 
 
 if __name__ == "__main__":

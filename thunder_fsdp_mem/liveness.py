@@ -106,27 +106,31 @@ class MemoryTimeline:
         return out
 
 
-def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None) -> MemoryTimeline:
+def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None,
+            device_type: str | None = None) -> MemoryTimeline:
     """Live storage bytes over ``trace`` (a Thunder execution trace, forward or backward).
 
     Without ``inputs``, tensors passed directly as arguments are held by the caller (names starting with
     ``t_`` are taken for module parameters, others for inputs), and tensors passed inside lists (a backward's
     ``saved_for_backward`` and ``cotangents``) belong to the trace, which frees them as it clears the lists.
+    ``device_type``: the device the trace would run on, for a trace made on the meta device (None: each
+    tensor's own).
     """
     if not isinstance(trace, TraceCtx):
         raise TypeError(
             f"analyze() expects a Thunder execution trace (thunder.core.trace.TraceCtx), such as "
             f"thunder.last_traces(fn)[-1]; got {type(trace).__name__}"
         )
-    return _Walk(trace, dict(inputs or {})).run()
+    return _Walk(trace, dict(inputs or {}), device_type).run()
 
 
 class _Walk:
     """One pass over a trace, holding the reference counts of names, collections and storages."""
 
-    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec]):
+    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec], device_type: str | None = None):
         self.trace = trace
         self.inputs = inputs
+        self.device_type = device_type
         self.obj_of: dict[str, int] = {}
         self.obj_refs: list[int] = []
         self.obj_alloc: list[int | None] = []
@@ -301,7 +305,8 @@ class _Walk:
             alloc = self.obj_alloc[self.obj_of[first.name]]
             if alloc is not None and self.allocs[alloc][2] is Category.TEMPORARY:
                 self.allocs[alloc][2] = Category.COMM_BUFFER
-            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs and getattr(first.device, "type", None) == "cuda":
+            on = self.device_type or getattr(first.device, "type", None)
+            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs and on == "cuda":
                 # NCCL holds the input until the collective is waited for, whatever the trace dels (Thunder has
                 # it stash tensors rather than record streams); gloo on CPU does not.
                 held = self.obj_of[first.name]

@@ -1,5 +1,10 @@
-"""The memory report of one step: computed once (``build_report``), rendered as text or JSON by pure functions.
-Only the CLI prints."""
+"""The memory report of one step: computed once (``build_report``), rendered as text, JSON or a plot by
+functions that only read it. Only the CLI prints.
+
+A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it. The top
+allocations at the peak are grouped: allocations of the same shape, dtype, category, producing symbol and source
+line (one per block of a litgpt model) are one row with a count.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,9 @@ from thunder_fsdp_mem.units import format_bytes
 
 @dataclass(frozen=True, slots=True)
 class TopAllocation:
+    """Allocations alive at the peak that share a pattern: ``count`` of them, ``nbytes`` each; ``name`` is the
+    first one's."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -20,37 +28,62 @@ class TopAllocation:
     category: Category
     symbol: str
     source: str | None
+    count: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.nbytes * self.count
 
 
 @dataclass(frozen=True, slots=True)
-class Report:
-    """What the report shows: the step's estimate, the bytes at the peak by category, the largest allocations."""
+class Plan:
+    """One column of the report: a step's estimate, the bytes at its peak by category, its largest groups."""
 
-    title: str
+    label: str
     step: StepMemory
     by_category: tuple[tuple[Category, int], ...]
     top: tuple[TopAllocation, ...]
 
 
-def build_report(step: StepMemory, *, title: str, top: int = 10) -> Report:
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What the report shows. ``plans``: one, or (without the transform, with it); the last is the one whose
+    top allocations and peak the report lists."""
+
+    title: str
+    plans: tuple[Plan, ...]
+
+    @property
+    def shown(self) -> Plan:
+        return self.plans[-1]
+
+
+def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None) -> Report:
+    """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside."""
+    plans = [] if baseline is None else [_plan("without transform", baseline, top)]
+    plans.append(_plan("with transform" if baseline is not None else "estimate", step, top))
+    return Report(title=title, plans=tuple(plans))
+
+
+def _plan(label: str, step: StepMemory, top: int) -> Plan:
     by_category: dict[Category, int] = {}
     for a in step.live_at_peak:
         by_category[a.category] = by_category.get(a.category, 0) + a.nbytes
-    return Report(
-        title=title,
-        step=step,
-        by_category=tuple(sorted(by_category.items(), key=lambda kv: -kv[1])),
-        top=tuple(
-            TopAllocation(a.name, a.shape, a.dtype, a.nbytes, a.category, a.symbol, a.source)
-            for a in step.live_at_peak[:top]
-        ),
-    )
+    groups: dict[tuple, list] = {}
+    for a in step.live_at_peak:
+        key = (a.shape, a.dtype, a.category, a.symbol, a.source, a.nbytes)
+        groups.setdefault(key, []).append(a)
+    rows = [TopAllocation(g[0].name, g[0].shape, g[0].dtype, g[0].nbytes, g[0].category, g[0].symbol, g[0].source,
+                          len(g)) for g in groups.values()]
+    rows.sort(key=lambda t: -t.total_bytes)
+    return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
 
 
 def _summary(step: StepMemory) -> list[tuple[str, str, int]]:
     """(label, JSON key, bytes) of the summary lines."""
     return [
         ("persistent (parameters, buffers, inputs)", "persistent_bytes", step.persistent_bytes),
+        ("optimizer state", "optimizer_state_bytes", step.optimizer_state_bytes),
         ("forward peak", "forward_peak_bytes", step.forward_peak_bytes),
         ("saved for backward", "saved_bytes", step.saved_bytes),
         ("backward peak", "backward_peak_bytes", step.backward_peak_bytes),
@@ -60,39 +93,104 @@ def _summary(step: StepMemory) -> list[tuple[str, str, int]]:
 
 
 def render_text(report: Report) -> str:
-    step = report.step
-    summary = _summary(step)
-    width = max(len(label) for label, _, _ in summary)
-    lines = [report.title, ""]
-    lines += [f"  {label:<{width}}  {format_bytes(v):>12}" for label, _, v in summary]
+    plans = report.plans
+    labels = [label for label, _, _ in _summary(plans[0].step)]
+    width = max(len(label) for label in labels + [c.value for p in plans for c, _ in p.by_category])
+    header = f"  {'':<{width}}" + "".join(f"  {p.label:>18}" for p in plans)
+    lines = [report.title, "", header]
+    columns = [_summary(p.step) for p in plans]
+    for i, label in enumerate(labels):
+        lines.append(f"  {label:<{width}}" + "".join(f"  {format_bytes(c[i][2]):>18}" for c in columns))
     lines += ["", "At the peak, by category:"]
-    lines += [f"  {c.value:<{width}}  {format_bytes(v):>12}" for c, v in report.by_category]
-    lines += ["", f"Largest allocations alive at the peak (top {len(report.top)}):"]
-    lines.append(f"  {'name':<24} {'shape':<22} {'dtype':<10} {'size':>12}  {'category':<20} {'symbol':<28} source")
-    for t in report.top:
+    categories = list(dict.fromkeys(c for p in plans for c, _ in p.by_category))
+    for category in categories:
+        values = [dict(p.by_category).get(category, 0) for p in plans]
+        lines.append(f"  {category.value:<{width}}" + "".join(f"  {format_bytes(v):>18}" for v in values))
+    shown = report.shown
+    lines += ["", f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, "
+                  f"dtype, symbol and source line counted once, as in repeated layers):"]
+    lines.append(f"  {'name':<26} {'count':>5} {'shape':<20} {'dtype':<9} {'size each':>11} {'total':>11}  "
+                 f"{'category':<20} {'symbol':<26} source")
+    for t in shown.top:
         shape = "x".join(str(s) for s in t.shape) or "-"
         lines.append(
-            f"  {t.name[:24]:<24} {shape[:22]:<22} {t.dtype[:10]:<10} {format_bytes(t.nbytes):>12}  "
-            f"{t.category.value:<20} {t.symbol[:28]:<28} {_short(t.source)}"
+            f"  {t.name[:26]:<26} {'x' + str(t.count):>5} {shape[:20]:<20} {t.dtype[:9]:<9} "
+            f"{format_bytes(t.nbytes):>11} {format_bytes(t.total_bytes):>11}  {t.category.value:<20} "
+            f"{t.symbol[:26]:<26} {_short(t.source)}"
         )
+    step = shown.step
     lines += ["", f"Peak per rank: {format_bytes(step.peak_bytes)} in the {step.peak_phase} at {step.peak_symbol}"]
     return "\n".join(lines)
 
 
 def render_json(report: Report) -> dict:
-    step = report.step
+    """The shown plan at the top level (``peak_bytes``, ``top``...); with two plans, also ``plans`` with each one's
+    summary."""
+    shown = report.shown
     return {
         "title": report.title,
+        **_plan_json(shown),
+        "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
+    }
+
+
+def _plan_json(plan: Plan) -> dict:
+    step = plan.step
+    return {
         **{key: value for _, key, value in _summary(step)},
         "peak_phase": step.peak_phase,
         "peak_symbol": step.peak_symbol,
-        "by_category": {c.value: v for c, v in report.by_category},
+        "by_category": {c.value: v for c, v in plan.by_category},
         "top": [
-            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
-             "category": t.category.value, "symbol": t.symbol, "source": t.source}
-            for t in report.top
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "count": t.count,
+             "total_bytes": t.total_bytes, "category": t.category.value, "symbol": t.symbol, "source": t.source}
+            for t in plan.top
         ],
     }
+
+
+def timeline(step: StepMemory) -> tuple[list[int], list[tuple[str, int]]]:
+    """Live bytes over the step, one point per bound symbol (the memory inside each op), with what is alive
+    outside the traces added; and (phase, index of its first point)."""
+    points: list[int] = []
+    phases = [("forward", 0)]
+    points += [b + step.forward_outside_bytes for b in step.forward.op_peaks]
+    if step.loss_peak_bytes:
+        phases.append(("loss", len(points)))
+        points.append(step.loss_peak_bytes)
+    if step.backward is not None:
+        phases.append(("backward", len(points)))
+        points += [b + step.backward_outside_bytes for b in step.backward.op_peaks]
+    return points, phases
+
+
+def render_plot(report: Report, path: str) -> None:
+    """Live memory over the step for each plan, phases marked, each plan's peak annotated (PNG, SVG or PDF)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for plan in report.plans:
+        points, phases = timeline(plan.step)
+        xs = [i / max(1, len(points) - 1) for i in range(len(points))]  # the step's progress, 0 to 1
+        gib = [p / 2**30 for p in points]
+        line, = ax.plot(xs, gib, label=plan.label, linewidth=1)
+        top = max(range(len(gib)), key=gib.__getitem__)
+        ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], gib[top]),
+                    textcoords="offset points", xytext=(5, 5), color=line.get_color(), fontsize=8)
+        for name, start in phases[1:]:
+            ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.8)
+            ax.annotate(name, (xs[start], 0.01), xycoords=("data", "axes fraction"), textcoords="offset points",
+                        xytext=(2, 0), fontsize=7, color=line.get_color())
+    ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward)")
+    ax.set_ylabel("live memory per rank (GiB)")
+    ax.set_title(report.title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _short(source: str | None) -> str:

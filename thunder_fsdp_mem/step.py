@@ -72,17 +72,20 @@ class StepMemory:
 LOSSES = ("cross_entropy",)
 
 
-def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimizer | None = None) -> StepMemory:
+def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimizer | None = None,
+                  device_type: str | None = None) -> StepMemory:
     """Estimate the peak live tensor bytes of one forward and backward of ``fn``, a ``thunder.jit`` module or
     function that has run at least once (its last run's traces are used).
 
     ``loss``: None when the loss is part of ``fn``; ``"cross_entropy"`` when the caller computes it eagerly on
-    ``fn``'s output. ``optimizer``: whose state is alive through the step (None: no state)."""
+    ``fn``'s output. ``optimizer``: whose state is alive through the step (None: no state). ``device_type``: the
+    device the step would run on (``"cuda"``, ``"cpu"``), for traces made on the meta device; None: the traces'
+    own."""
     if loss is not None and loss not in LOSSES:
         raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
     forward_trace, backward_trace = _last_traces(fn)
     return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
-                    _optimizer_state(optimizer), loss)
+                    _optimizer_state(optimizer), loss, device_type=device_type)
 
 
 def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None) -> StepMemory:
@@ -95,13 +98,13 @@ def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | N
 
 
 def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,
-             forward: MemoryTimeline | None = None) -> StepMemory:
+             forward: MemoryTimeline | None = None, device_type: str | None = None) -> StepMemory:
     forward_args = _arg_names(forward_trace)
     if forward is None:
         forward = analyze(forward_trace, inputs={
             name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
             for name, held in persistent.items() if name in forward_args
-        })
+        }, device_type=device_type)
     forward_outside = _outside(persistent, reached={persistent[n].key for n in forward_args if n in persistent})
     saved_bytes = sum(
         forward.allocations[i].nbytes
@@ -115,7 +118,7 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
     backward = None
     gradient_bytes = 0
     if backward_trace is not None:
-        backward = analyze(backward_trace, inputs=_saved_specs(forward))
+        backward = analyze(backward_trace, inputs=_saved_specs(forward), device_type=device_type)
         received = {forward.outputs[n] for n in _arg_names(backward_trace) if n in forward.outputs}
         reached = {persistent[forward.allocations[i].name].key for i in received
                    if forward.allocations[i].name in persistent}
