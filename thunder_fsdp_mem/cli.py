@@ -76,7 +76,8 @@ def _validate(args) -> None:
         if args.shard is not None:
             raise _UsageError("--shard applies to --mode thunder-fsdp, not to --mode jit (one device)")
         if args.world_size not in (None, 1):
-            raise _UsageError(f"--mode jit runs on one device; --world-size {args.world_size} needs --mode thunder-fsdp")
+            raise _UsageError(
+                f"--mode jit runs on one device; --world-size {args.world_size} needs --mode thunder-fsdp")
         args.world_size = 1
     else:
         args.shard = args.shard or "zero2"
@@ -139,9 +140,10 @@ def _progress(total: int, what: str):
     """A progress bar on stderr over the traces to make (each takes minutes at 32 layers)."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
     from rich.console import Console
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
 
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(what, total=total)

@@ -10,9 +10,9 @@ gathered parameters for backward.
   enough that at most ``max_inflight`` are in flight ahead of the one being waited for: the first
   ``max_inflight + 1`` where the first all-gather was, gather ``j`` right after the wait of gather
   ``j - max_inflight - 1``, or after its last use where the trace frees it (so that at most ``max_inflight + 1``
-  gathered parameters exist at once when each is used before the next), and never after its own wait. Each wait first moves down to just before the first symbol that reads what it
-  returns (Thunder waits in the order it gathers, which is the order of the parameters' names); ``del``s are
-  placed again at last use.
+  gathered parameters exist at once when each is used before the next), and never after its own wait. Each wait
+  first moves down to just before the first symbol that reads what it returns (Thunder waits in the order it
+  gathers, which is the order of the parameters' names); ``del``s are placed again at last use.
 - ``regather(forward, backward) -> (forward, backward)``: the forward saves each gathered parameter's shard (a
   forward input: saving it costs nothing) instead of the parameter, and the backward gathers it again just before
   its first use, with copies of the forward's own all-gather and wait (``recompute.apply_plan``).
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
-from thunder.executors.passes import del_last_used
 
 from thunder_fsdp_mem import ops, recompute
 
@@ -111,7 +110,7 @@ def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: boo
         return trace
     new = from_trace(trace)
     new.bound_symbols = out
-    new = del_last_used(new, clear_mutable_collections=clear_mutable_collections)
+    new = ops.dels_at_last_use(new, clear_mutable_collections=clear_mutable_collections)
     new.set_provenance(TraceProvenance(f"FSDPMemoryTransform: all-gathers in a window of {max_inflight}"))
     return new
 
@@ -153,7 +152,8 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     tensors = {p.name: p for b in bsyms for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
     before = sum(ops.nbytes(tensors[n]) for n in saved if n not in inputs)
     after = sum(ops.nbytes(tensors[n]) for n in new_saved if n not in inputs)
-    plan = recompute.SavePlan(saved=tuple(new_saved), recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
+    plan = recompute.SavePlan(saved=tuple(new_saved),
+                              recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
                               before_bytes=before, after_bytes=after)
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
     new_backward.set_provenance(TraceProvenance(

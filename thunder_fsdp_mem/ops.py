@@ -126,7 +126,49 @@ def dtype_name(t: TensorLike) -> str:
 
 
 def shape(t: TensorLike) -> layout.Shape:
-    return tuple(int(s) for s in t.shape)
+    # The stored shape: the ``shape`` property asks the compile data whether values are symbolic on every call.
+    return tuple(int(s) for s in getattr(t, "_shape", None) or t.shape)
+
+
+def dels_at_last_use(trace, *, clear_mutable_collections: bool = False):
+    """``trace`` with its ``del``s dropped and placed again after each proxy's last use, as Thunder's
+    ``del_last_used`` places them (same rule, same order), at a fraction of its cost: Thunder binds every new
+    ``del`` through the symbol's signature, this copies one bound ``del``."""
+    from collections import deque
+
+    from thunder.core.prims import python_del
+    from thunder.core.pytree import tree_flatten
+    from thunder.core.trace import from_trace
+    from thunder.executors.passes import clear_mutable_collection, comment_symbols
+
+    handled = {p.name for p in tree_flatten(trace.output)[0] if isinstance(p, Proxy)}
+    template = None
+    out = deque()
+    for bsym in reversed(trace.bound_symbols):
+        if bsym.sym.id in comment_symbols:
+            out.appendleft(bsym)
+            continue
+        if bsym.sym.id == PrimIDs.DEL:
+            continue
+        to_del = []
+        for x in (*bsym.flat_proxy_outs, *bsym.flat_proxy_args):
+            if x.name not in handled:
+                handled.add(x.name)
+                to_del.append(x)
+        if to_del and bsym.sym.id is not PrimIDs.RETURN:
+            if template is None:
+                template = python_del.bind(*to_del, output=None)
+                out.appendleft(template)
+            else:
+                out.appendleft(template.from_bsym(args=tuple(to_del)))
+            if clear_mutable_collections:
+                for x in to_del:
+                    if isinstance(x, CollectionProxy):
+                        out.appendleft(clear_mutable_collection.bind(x, output=None))
+        out.appendleft(bsym)
+    new = from_trace(trace)
+    new.bound_symbols = list(out)
+    return new
 
 
 def is_copy_into(bsym) -> bool:

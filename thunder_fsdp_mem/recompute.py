@@ -26,7 +26,8 @@ many of its outputs are needed. The cut then minimises saved bytes + w x recompu
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
 saved tensors; the backward unpacks them and recomputes the rest just before their first use; a recomputed
 symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is dropped, and ``del``s and
-collection clears are placed again by Thunder's ``del_last_used``. Both functions are pure.
+collection clears are placed again as Thunder's ``del_last_used`` places them (``ops.dels_at_last_use``). Both
+functions are pure.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
-from thunder.executors.passes import del_last_used
 
 from thunder_fsdp_mem import ops
 
@@ -204,7 +204,7 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     new_saved = tuple(by_name[n] for n in plan.saved)
     new_forward = from_trace(forward)
     new_forward.bound_symbols = [*fw_bsyms[:-1], ret.from_bsym(args=(outputs, (new_saved, others)))]
-    new_forward = del_last_used(new_forward)
+    new_forward = ops.dels_at_last_use(new_forward)
     new_forward.set_provenance(TraceProvenance(
         f"FSDPMemoryTransform: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}"))
 
@@ -219,7 +219,7 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
             clones.append(_clone(forward.bound_symbols[i], defined, new_backward))
     new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
     new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
-    new_backward = del_last_used(new_backward, clear_mutable_collections=True)
+    new_backward = ops.dels_at_last_use(new_backward, clear_mutable_collections=True)
     new_backward.set_provenance(TraceProvenance(
         f"FSDPMemoryTransform: recomputes {len(plan.recompute)} forward symbols"))
     return new_forward, new_backward

@@ -13,11 +13,11 @@ tries three list schedules, as Inductor's ``reorder_for_peak_memory`` tries seve
   readers are placed: every symbol runs just before it is needed, what it allocates lives least.
 
 The orders are ranked by a rough count of live bytes; the best, if it beats the trace's own by that count, gets
-its ``del``s placed again at last use (Thunder's ``del_last_used``) and ``judge(trace)`` (the caller's estimator:
-bytes, or a tuple of them compared in order) decides: it is kept only if lower, the trace as it came otherwise.
-The unpacking of arguments stays first and the return last. ``reorder_pair`` does this for whichever of a
-forward and its backward holds the step's peak, with the estimator of the step. The passes are pure: they return
-new traces.
+its ``del``s placed again at last use (``ops.dels_at_last_use``, Thunder's rule) and ``judge(trace)`` (the
+caller's estimator: bytes, or a tuple of them compared in order) decides: it is kept only if lower, the trace as
+it came otherwise. The unpacking of arguments stays first and the return last. ``reorder_pair`` does this for
+whichever of a forward and its backward holds the step's peak, with the estimator of the step. The passes are
+pure: they return new traces.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
-from thunder.executors.passes import del_last_used
 
 from thunder_fsdp_mem import ops
 
@@ -59,7 +58,7 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
         return trace, "as given"
     candidate = from_trace(trace)
     candidate.bound_symbols = [*head, *(body[i] for i in order), bsyms[-1]]
-    candidate = del_last_used(candidate, clear_mutable_collections=clear_mutable_collections)
+    candidate = ops.dels_at_last_use(candidate, clear_mutable_collections=clear_mutable_collections)
     if judge(candidate) >= (current if current is not None else judge(trace)):
         return trace, "as given"
     before = trace.get_provenance()

@@ -10,8 +10,9 @@ reads), moves up to just after the symbol that completes the last of their input
 ``j`` runs just before reduce-scatter ``j + max_inflight`` is issued (at most ``max_inflight`` in flight), or,
 for the last ones, where it was; ``del``s are placed again at last use. An in-flight reduce-scatter costs its
 output shard and holds its input until its wait: where the transform's estimate leaves no room for that
-(``room``, near the backward's peak), the reduce-scatter is issued where Thunder put it. Reduce-scatters issued together keep the
-trace's order. Everything depends on the trace alone, so every rank issues the same collectives in the same order.
+(``room``, near the backward's peak), the reduce-scatter is issued where Thunder put it. Reduce-scatters issued
+together keep the trace's order. Everything depends on the trace alone, so every rank issues the same collectives
+in the same order.
 Pure: returns a new trace, or ``trace`` itself when nothing moves.
 """
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
-from thunder.executors.passes import del_last_used
 
 from thunder_fsdp_mem import ops, recompute
 
@@ -151,7 +151,7 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
         return trace
     new = from_trace(trace)
     new.bound_symbols = out
-    new = del_last_used(new, clear_mutable_collections=clear_mutable_collections)
+    new = ops.dels_at_last_use(new, clear_mutable_collections=clear_mutable_collections)
     new.set_provenance(TraceProvenance(
         f"FSDPMemoryTransform: reduce-scatters issued when their gradient is complete, {max_inflight} in flight"))
     return new
