@@ -81,6 +81,22 @@ def scatters_in_flight(backward) -> int:
     return most
 
 
+def inputs_held_until_waits(backward) -> bool:
+    """The liveness model on CUDA keeps each reduce-scatter's input until its wait; on CPU the trace's ``del``
+    frees it. In Thunder's backward every reduce-scatter is issued before the first wait, so just before that
+    wait the two timelines differ by exactly the bytes of every reduce-scatter's input."""
+    from thunder_fsdp_mem import analyze
+
+    bsyms = backward.bound_symbols
+    futures = {b.flat_proxy_outs[0].name for b in bsyms if ops.sym_id(b) == ops.REDUCE_SCATTER}
+    first_wait = next(i for i, b in enumerate(bsyms)
+                      if ops.sym_id(b) in ops.WAITS and b.flat_proxy_args[0].name in futures)
+    inputs = sum(ops.nbytes(ops.tensor_args(b)[0]) for b in bsyms if ops.sym_id(b) == ops.REDUCE_SCATTER)
+    on_cuda = analyze(backward, device_type="cuda").timeline[first_wait - 1]
+    on_cpu = analyze(backward, device_type="cpu").timeline[first_wait - 1]
+    return inputs > 0 and on_cuda - on_cpu == inputs
+
+
 def scatters_refuse_a_future_read_by_another_symbol(backward) -> bool:
     bsyms = [b for b in backward.bound_symbols if b.sym.id != PrimIDs.DEL]
     s = scatters.match(bsyms)[0]
@@ -148,7 +164,8 @@ def main(*families: str) -> None:
                "scatters_at_once": scatters_in_flight(backward), "scatters_at_once_mem": scatters_in_flight(backward_m),
                "refuses": refuses_a_future_read_by_another_symbol(forward),
                "warns": transform_warns_and_keeps(forward, backward),
-               "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward)}
+               "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
+               "held": inputs_held_until_waits(backward)}
         runtime.print_result(row)
     dist.destroy_process_group()
 

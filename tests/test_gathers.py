@@ -54,6 +54,10 @@ def test_a_future_read_by_another_symbol_is_refused(results):
     assert all(r["refuses"] and r["scatters_refuse"] for r in results)
 
 
+def test_reduce_scatter_inputs_are_held_until_their_waits_on_cuda(results):
+    assert all(r["held"] for r in results)
+
+
 def test_the_transform_warns_once_and_leaves_unmatched_gathers(results):
     assert all(r["warns"] for r in results)
 
