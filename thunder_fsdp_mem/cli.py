@@ -138,9 +138,8 @@ def _report(args) -> int:
 @contextmanager
 def _progress(total: int, what: str):
     """A progress bar on stderr over the traces to make (each takes minutes at 32 layers)."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())

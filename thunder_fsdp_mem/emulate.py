@@ -20,7 +20,7 @@ stablecode-3b this changes the estimate by less than 0.5% (docs/accuracy.md).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -33,12 +33,9 @@ DEVICE_TYPES = ("cuda", "cpu")
 
 @contextmanager
 def fake_ranks(world_size: int) -> Iterator[None]:
-    """torch.distributed as ``world_size`` fake ranks, this process rank 0; nothing to do for one rank."""
+    """torch.distributed as ``world_size`` fake ranks, this process rank 0."""
     import torch.distributed as dist
 
-    if world_size == 1:
-        yield
-        return
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; the report needs its own fake one")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -91,7 +88,8 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
     if mode == "thunder-fsdp" and shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
     transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
-    with fake_ranks(world_size), attention_as_on(device_type):
+    ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
+    with ranks, attention_as_on(device_type):
         torch.manual_seed(0)
         with torch.device("meta"):
             from litgpt import GPT
