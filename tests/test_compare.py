@@ -103,3 +103,18 @@ def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path
     for plan, mode in ((without, "thunder-fsdp"), (with_it, "thunder-fsdp+mem")):
         measured = rows[mode]["peak_bytes"]
         assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)
+
+
+def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
+    # --mode fsdp2 composes one ThunderFX block graph traced on meta with what FSDP2 holds, per rank; the rows
+    # were measured by MemTracker on 2 gloo ranks running FSDP2 (zero2) through ThunderFX.
+    from thunder_fsdp_mem.cli import main
+
+    out = tmp_path / "report.json"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "2", "--block-size", "128", "--mode", "fsdp2",
+                 "--world-size", "2", "--shard", "zero2", "--device", "cpu", "--transform", "--json", str(out)]) == 0
+    without, with_it = json.loads(out.read_text())["plans"]
+    rows = {r["mode"]: r for r in comparison[0]["rows"]}
+    for plan, mode in ((without, "fsdp2-thunder"), (with_it, "fsdp2-thunder+mem")):
+        measured = rows[mode]["peak_bytes"]
+        assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)

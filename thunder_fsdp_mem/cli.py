@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 
 DEFAULT_MODEL = "pythia-70m"
-DEFAULT_MODE = "thunder-fsdp"
+DEFAULT_MODE = "fsdp2"
 
 
 class _UsageError(Exception):
@@ -25,6 +25,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from thunder_fsdp_mem.emulate import DEVICE_TYPES, MODES, SHARDS
+    from thunder_fsdp_mem.runtime import EXECUTOR_CHOICES
 
     parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,12 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step and rank (default 1)")
     report.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
     report.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
-                        help=f"jit: thunder.jit on one device; thunder-fsdp: Thunder's fsdp (default {DEFAULT_MODE})")
-    report.add_argument("--shard", choices=SHARDS, default=None, help="FSDP sharding of thunder-fsdp (default zero2)")
+                        help="fsdp2: FSDP2 (fully_shard) through ThunderFX; thunder-fsdp: Thunder's fsdp; jit: "
+                             f"thunder.jit on one device (default {DEFAULT_MODE})")
+    report.add_argument("--shard", choices=SHARDS, default=None,
+                        help="FSDP sharding: zero2, or zero3 (FSDP2's reshard_after_forward) (default zero2)")
     report.add_argument("--world-size", type=int, default=None,
-                        help="ranks of thunder-fsdp, emulated by a fake process group (default 2; jit: 1)")
+                        help="ranks, emulated by a fake process group or composed per rank (default 2; jit: 1)")
     report.add_argument("--device", choices=DEVICE_TYPES, default="cuda",
                         help="the device whose run is predicted (default cuda: Thunder's CUDA attention kernels)")
+    report.add_argument("--executors", choices=EXECUTOR_CHOICES, default="default+cat",
+                        help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
+                             "benchmarks/compare.py (default default+cat)")
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
@@ -74,10 +80,10 @@ def _validate(args) -> None:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
     if args.mode == "jit":
         if args.shard is not None:
-            raise _UsageError("--shard applies to --mode thunder-fsdp, not to --mode jit (one device)")
+            raise _UsageError("--shard applies to --mode fsdp2 and thunder-fsdp, not to --mode jit (one device)")
         if args.world_size not in (None, 1):
             raise _UsageError(
-                f"--mode jit runs on one device; --world-size {args.world_size} needs --mode thunder-fsdp")
+                f"--mode jit runs on one device; --world-size {args.world_size} needs --mode fsdp2 or thunder-fsdp")
         args.world_size = 1
     else:
         args.shard = args.shard or "zero2"
@@ -94,6 +100,13 @@ def _validate(args) -> None:
         close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else "; see litgpt's list of configurations"
         raise _UsageError(f"unknown litgpt model {args.model!r}{hint}")
+    if args.mode == "fsdp2":
+        from thunder_fsdp_mem import fsdp2, models
+
+        refused = fsdp2.unsupported(models.ModelSpec(name=args.model, block_size=args.block_size).config())
+        if refused:
+            raise _UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode "
+                              "thunder-fsdp")
 
 
 def _report(args) -> int:
@@ -107,11 +120,13 @@ def _report(args) -> int:
     plans = [None, MemoryConfig()] if args.transform else [None]
     steps = []
     try:
-        with _progress(len(plans), f"tracing {n_layers} layers on the meta device") as advance:
+        what = "one block" if args.mode == "fsdp2" else f"{n_layers} layers"
+        with _progress(len(plans), f"tracing {what} on the meta device") as advance:
             for memory in plans:
                 steps.append(trace_step(spec, mode=args.mode, shard=args.shard, world_size=args.world_size,
                                         device_type=args.device, dtype=models.DTYPES[args.dtype],
-                                        micro_batch_size=args.micro_batch_size, memory=memory))
+                                        micro_batch_size=args.micro_batch_size, executors=args.executors,
+                                        memory=memory))
                 advance()
     except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
         if args.verbose:

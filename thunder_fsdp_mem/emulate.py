@@ -27,7 +27,7 @@ import torch
 
 from thunder_fsdp_mem import models
 
-MODES = ("jit", "thunder-fsdp")
+MODES = ("fsdp2", "thunder-fsdp", "jit")
 SHARDS = ("zero2", "zero3")
 DEVICE_TYPES = ("cuda", "cpu")
 
@@ -46,6 +46,50 @@ def fake_ranks(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
+    """Thunder's torch.compile executors among ``executors`` claim meta tensors as they claim CUDA ones when
+    ``device_type`` is ``cuda``, and run their regions eagerly (a region allocates its outputs only, as the
+    kernel torch.compile makes of it does on the GPU). Other executors are left as they are."""
+    import thunder.executors.torch_compile as tc
+    from thunder.extend import ImplInfo
+
+    claiming = [ex for ex in executors if isinstance(ex, tc.TorchCompileExecutor)] if device_type == "cuda" else []
+    if not claiming:
+        yield
+        return
+
+    def on_cuda_or_meta(*args, **kwargs):
+        from thunder.core.proxies import TensorProxy
+        from torch.utils._pytree import tree_flatten
+
+        flat, _ = tree_flatten((args, kwargs))
+        return all(a.device.type in ("cuda", "meta") for a in flat if isinstance(a, TensorProxy))
+
+    original_maps = [ex._implmap for ex in claiming]
+    original_make = tc.make_compiled
+
+    def make_eager(*args, **kwargs):
+        compile_ = torch.compile
+        torch.compile = lambda fn, **options: fn
+        try:
+            return original_make(*args, **kwargs)
+        finally:
+            torch.compile = compile_
+
+    for ex in claiming:
+        ex._implmap = {op: ImplInfo(symbol=info.symbol, checker=on_cuda_or_meta,
+                                    execution_transform=info.execution_transform, grad_transform=info.grad_transform)
+                       for op, info in ex._implmap.items()}
+    tc.make_compiled = make_eager
+    try:
+        yield
+    finally:
+        tc.make_compiled = original_make
+        for ex, implmap in zip(claiming, original_maps):
+            ex._implmap = implmap
 
 
 @contextmanager
@@ -72,13 +116,15 @@ def attention_as_on(device_type: str) -> Iterator[None]:
 
 def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None = None, world_size: int = 1,
                device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-               memory=None):
+               executors: str = "default+cat", memory=None):
     """The estimated memory of one step (``StepMemory``) of ``spec`` on ``world_size`` ranks of ``device_type``,
-    traced on the meta device. ``mode``: ``jit`` (one process) or ``thunder-fsdp`` (``shard`` zero2 or zero3).
-    ``memory``: a ``MemoryConfig`` to run ``FSDPMemoryTransform`` with, None for none."""
+    traced on the meta device. ``mode``: ``jit`` (one process), ``thunder-fsdp`` (Thunder's fsdp) or ``fsdp2``
+    (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
+    ``executors``: ``runtime.executors``' choice. ``memory``: a ``MemoryConfig`` to run ``FSDPMemoryTransform``
+    with, None for none."""
     import thunder
 
-    from thunder_fsdp_mem import runtime
+    from thunder_fsdp_mem import fsdp2, runtime
     from thunder_fsdp_mem.step import estimate_step
     from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
@@ -86,18 +132,22 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "jit" and (shard is not None or world_size != 1):
         raise ValueError("mode jit runs one process: no shard and a world size of 1")
-    if mode == "thunder-fsdp" and shard not in SHARDS:
+    if mode != "jit" and shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
+    if mode == "fsdp2":
+        return fsdp2.compose_step(spec, world_size=world_size, shard=shard, device_type=device_type, dtype=dtype,
+                                  micro_batch_size=micro_batch_size, executors=executors, memory=memory)
     transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
-    with ranks, attention_as_on(device_type):
+    chosen = runtime.executors(executors)
+    with ranks, attention_as_on(device_type), executors_as_on(device_type, chosen):
         torch.manual_seed(0)
         with torch.device("meta"):
             from litgpt import GPT
 
             gpt = GPT(spec.config())
         gpt = gpt.to(dtype)
-        jitted = thunder.jit(gpt, transforms=transforms)
+        jitted = thunder.jit(gpt, executors=chosen, transforms=transforms)
         if mode == "thunder-fsdp":
             jitted = runtime.thunder_fsdp(jitted, shard=shard, device=torch.device("meta"))
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")

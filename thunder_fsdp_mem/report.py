@@ -9,6 +9,7 @@ line (one per block of a litgpt model) are one row with a count.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.categories import Category
@@ -119,7 +120,7 @@ def render_text(report: Report) -> str:
             f"{t.symbol[:26]:<26} {_short(t.source)}"
         )
     step = shown.step
-    lines += ["", f"Peak per rank: {format_bytes(step.peak_bytes)} in the {step.peak_phase} at {step.peak_symbol}"]
+    lines += ["", f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"]
     return "\n".join(lines)
 
 
@@ -149,23 +150,23 @@ def _plan_json(plan: Plan) -> dict:
     }
 
 
+_BLOCK = re.compile(r": block \d+$")
+
+
 def timeline(step: StepMemory) -> tuple[list[int], list[tuple[str, int]]]:
-    """Live bytes over the step, one point per bound symbol (the memory inside each op), with what is alive
-    outside the traces added; and (phase, index of its first point)."""
+    """Live bytes over the step, one point per bound symbol (the memory inside each op) and one per phase without
+    a trace, with what is alive outside the traces added; and (phase, index of its first point)."""
     points: list[int] = []
-    phases = [("forward", 0)]
-    points += [b + step.forward_outside_bytes for b in step.forward.op_peaks]
-    if step.loss_peak_bytes:
-        phases.append(("loss", len(points)))
-        points.append(step.loss_peak_bytes)
-    if step.backward is not None:
-        phases.append(("backward", len(points)))
-        points += [b + step.backward_outside_bytes for b in step.backward.op_peaks]
-    return points, phases
+    marks = []
+    for phase in step.phases:
+        marks.append((phase.name, len(points)))
+        points += phase.points()
+    return points, marks
 
 
 def render_plot(report: Report, path: str) -> None:
-    """Live memory over the step for each plan, phases marked, each plan's peak annotated (PNG, SVG or PDF)."""
+    """Live memory over the step for each plan, phases marked (the forward, the loss, the backward, and under
+    FSDP2 each block's), each plan's peak annotated (PNG, SVG or PDF)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,18 +174,26 @@ def render_plot(report: Report, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for plan in report.plans:
-        points, phases = timeline(plan.step)
+        points, marks = timeline(plan.step)
         xs = [i / max(1, len(points) - 1) for i in range(len(points))]  # the step's progress, 0 to 1
         gib = [p / 2**30 for p in points]
         line, = ax.plot(xs, gib, label=plan.label, linewidth=1)
         top = max(range(len(gib)), key=gib.__getitem__)
         ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], gib[top]),
                     textcoords="offset points", xytext=(5, 5), color=line.get_color(), fontsize=8)
-        for name, start in phases[1:]:
-            ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.8)
-            ax.annotate(name, (xs[start], 0.01), xycoords=("data", "axes fraction"), textcoords="offset points",
-                        xytext=(2, 0), fontsize=7, color=line.get_color())
-    ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward)")
+        stage = None
+        for name, start in marks:
+            if start >= len(xs):
+                continue
+            if _BLOCK.search(name):  # a block of the model: a light tick
+                ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.3, alpha=0.5)
+            now = name.split(":")[0]
+            if now != stage and start > 0:  # the forward, the loss, the backward: labelled
+                ax.axvline(xs[start], color=line.get_color(), linestyle="--", linewidth=0.8)
+                ax.annotate(now, (xs[start], 0.01), xycoords=("data", "axes fraction"), textcoords="offset points",
+                            xytext=(2, 0), fontsize=7, color=line.get_color())
+            stage = now
+    ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")
     ax.set_ylabel("live memory per rank (GiB)")
     ax.set_title(report.title, fontsize=9)
     ax.legend(loc="upper left", fontsize=8)

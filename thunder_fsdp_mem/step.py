@@ -48,7 +48,7 @@ class StepMemory:
     ``live_at_peak``: allocations alive at the peak, the ones no trace mentions included; they add up to
     ``peak_bytes``.
     ``loss_peak_bytes``: the peak of the eager loss (with ``loss=``); ``optimizer_state_bytes``: with
-    ``optimizer=``.
+    ``optimizer=``. ``phases``: the step in the order it runs (what a timeline plots).
     """
 
     peak_bytes: int
@@ -67,6 +67,7 @@ class StepMemory:
     live_at_peak: tuple[Allocation, ...]
     loss_peak_bytes: int = 0
     optimizer_state_bytes: int = 0
+    phases: tuple[Phase, ...] = ()
 
 
 LOSSES = ("cross_entropy",)
@@ -111,9 +112,9 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
         for i in set(forward.outputs.values())
         if forward.allocations[i].category is not Category.OUTPUT and not forward.allocations[i].external
     )
-    phases = [_Phase("forward", forward, [*forward_outside, *state])]
+    phases = [Phase("forward", forward, (*forward_outside, *state))]
     if loss is not None:
-        phases.append(_loss_phase(forward, [*forward_outside, *state]))
+        phases.append(_loss_phase(forward, (*forward_outside, *state)))
 
     backward = None
     gradient_bytes = 0
@@ -124,7 +125,7 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
                    if forward.allocations[i].name in persistent}
         held_outputs = [forward.allocations[i] for i in set(forward.outputs.values()) - received
                         if forward.allocations[i].category is Category.OUTPUT]
-        phases.append(_Phase("backward", backward, [*_outside(persistent, reached), *held_outputs, *state]))
+        phases.append(Phase("backward", backward, (*_outside(persistent, reached), *held_outputs, *state)))
         gradient_bytes = sum(
             a.nbytes for a in backward.allocations if a.category is Category.GRADIENT and a.end is None
         )
@@ -148,17 +149,21 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
         live_at_peak=tuple(sorted(peak.live_at_peak, key=lambda a: -a.nbytes)),
         loss_peak_bytes=by_name["loss"].peak_bytes if "loss" in by_name else 0,
         optimizer_state_bytes=sum(a.nbytes for a in state),
+        phases=tuple(phases),
     )
 
 
 @dataclass(frozen=True, slots=True)
-class _Phase:
-    """One phase of the step: a trace's timeline (or the caller's loss) plus what is alive outside it."""
+class Phase:
+    """One phase of the step: a trace's timeline, or a step without a trace (the caller's loss, a collective's
+    buffers), plus what is alive outside it. ``extra``: allocations of a phase without a trace, alive at its
+    peak; ``symbol``: what such a phase runs."""
 
     name: str
     timeline: MemoryTimeline | None
-    outside: list[Allocation]
-    extra: tuple[Allocation, ...] = ()  # the loss phase's own allocations, alive at its peak
+    outside: tuple[Allocation, ...]
+    extra: tuple[Allocation, ...] = ()
+    symbol: str = ""
 
     @property
     def outside_bytes(self) -> int:
@@ -175,15 +180,22 @@ class _Phase:
 
     @property
     def peak_symbol(self) -> str:
-        return self.timeline.peak_symbol if self.timeline is not None else "log_softmax_backward (eager loss)"
+        return self.timeline.peak_symbol if self.timeline is not None else self.symbol
 
     @property
     def live_at_peak(self) -> tuple[Allocation, ...]:
         inside = self.timeline.live_at_peak if self.timeline is not None else ()
         return (*inside, *self.outside, *self.extra)
 
+    def points(self) -> list[int]:
+        """Live bytes while each bound symbol runs, what is outside included; one point without a trace."""
+        if self.timeline is None:
+            return [self.peak_bytes]
+        base = self.outside_bytes + sum(a.nbytes for a in self.extra)
+        return [b + base for b in self.timeline.op_peaks]
 
-def _loss_phase(forward: MemoryTimeline, outside: list[Allocation]) -> _Phase:
+
+def _loss_phase(forward: MemoryTimeline, outside: tuple[Allocation, ...]) -> Phase:
     """Eager ``cross_entropy`` on the forward's output, at the end of its backward: everything the forward left
     alive, the ``log_softmax`` it saved, the ``nll_loss`` gradient and the logits' gradient (same size each)."""
     left = tuple(a for a in forward.allocations if a.end is None)
@@ -191,13 +203,18 @@ def _loss_phase(forward: MemoryTimeline, outside: list[Allocation]) -> _Phase:
     if len(outputs) != 1:
         raise ValueError(f"loss='cross_entropy' needs a forward with one output; this one has {len(outputs)}")
     logits = outputs[0]
-    extra = tuple(
+    return Phase("loss", None, (*left, *outside), loss_allocations(logits), "log_softmax_backward (eager loss)")
+
+
+def loss_allocations(logits: Allocation) -> tuple[Allocation, ...]:
+    """What eager ``cross_entropy`` on ``logits`` holds at the end of its backward, beside the logits: the
+    ``log_softmax`` it saved, the gradient of ``nll_loss`` and the logits' gradient, each the logits' size."""
+    return tuple(
         Allocation(name, logits.nbytes, Category.TEMPORARY, logits.shape, logits.dtype, symbol, None, -1, None)
         for name, symbol in (("log_softmax of the logits", "log_softmax (eager loss)"),
                              ("gradient of nll_loss", "nll_loss_backward (eager loss)"),
                              ("gradient of the logits", "log_softmax_backward (eager loss)"))
     )
-    return _Phase("loss", None, [*left, *outside], extra)
 
 
 def _optimizer_state(optimizer) -> list[Allocation]:
