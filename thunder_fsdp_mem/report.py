@@ -181,17 +181,19 @@ def render_plot(report: Report, path: str) -> None:
         top = max(range(len(gib)), key=gib.__getitem__)
         ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], gib[top]),
                     textcoords="offset points", xytext=(5, 5), color=line.get_color(), fontsize=8)
-        stage = None
+        stage, labelled = None, -1.0
         for name, start in marks:
             if start >= len(xs):
                 continue
             if _BLOCK.search(name):  # a block of the model: a light tick
                 ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.3, alpha=0.5)
             now = name.split(":")[0]
-            if now != stage and start > 0:  # the forward, the loss, the backward: labelled
+            if now != stage and start > 0:  # the forward, the loss, the backward: a line, labelled where room
                 ax.axvline(xs[start], color=line.get_color(), linestyle="--", linewidth=0.8)
-                ax.annotate(now, (xs[start], 0.01), xycoords=("data", "axes fraction"), textcoords="offset points",
-                            xytext=(2, 0), fontsize=7, color=line.get_color())
+                if xs[start] - labelled > 0.05:
+                    ax.annotate(now, (xs[start], 0.01), xycoords=("data", "axes fraction"),
+                                textcoords="offset points", xytext=(2, 0), fontsize=7, color=line.get_color())
+                    labelled = xs[start]
             stage = now
     ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")
     ax.set_ylabel("live memory per rank (GiB)")
