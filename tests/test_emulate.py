@@ -49,3 +49,21 @@ def test_bad_combinations_are_refused():
         emulate.trace_step(spec, mode="jit", shard="zero2")
     with pytest.raises(ValueError, match="shard must be one of zero2, zero3"):
         emulate.trace_step(spec, mode="thunder-fsdp", shard=None, world_size=2)
+
+
+def _fusions(device_type: str) -> set[str]:
+    """The fusion symbols in the forward of a 1-block NeoX model traced on meta with ``default+cat``."""
+    from thunder_fsdp_mem import runtime
+
+    spec = BY_NAME["neox"]
+    chosen = runtime.executors("default+cat")
+    with emulate.attention_as_on(device_type), emulate.executors_as_on(device_type, chosen):
+        jitted = thunder.jit(models.build(spec, dtype=torch.bfloat16, device="meta"), executors=chosen)
+        jitted(*models.batch(spec, device="meta")).backward()
+    return {b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.is_fusion}
+
+
+def test_torch_compile_regions_are_claimed_for_cuda_only():
+    # The cat executor claims rotary's cat on CUDA tensors; on meta for cuda it must too, and the region runs.
+    assert any(name.startswith("TorchCompileCat") for name in _fusions("cuda"))
+    assert not any(name.startswith("TorchCompileCat") for name in _fusions("cpu"))

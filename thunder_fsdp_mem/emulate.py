@@ -8,14 +8,17 @@ memory for the model and no other ranks needed.
   the op would be decomposed into a T x T matrix that the GPU never allocates. For ``cuda`` the answer is the one
   torch gives on an H100 or H200 for litgpt's causal attention: flash for 16-bit inputs, memory-efficient for
   float32. For ``cpu`` it is the math kernel, which the executor does not claim, as on a CPU.
+- ``executors_as_on(device_type, executors)``: Thunder's torch.compile executors (``default+cat``'s rotary
+  ``cat`` region) claim CUDA tensors only; for ``cuda`` they claim meta tensors too, and their regions run
+  eagerly on meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the GPU).
 - ``trace_step(spec, ...) -> StepMemory``: builds the litgpt model on the meta device, wraps it as the mode says
   (``thunder.jit``, or Thunder's fsdp over the fake ranks), runs one forward, the eager cross-entropy and the
-  backward, and returns ``estimate_step`` of it with the AdamW state the step would hold.
+  backward, and returns ``estimate_step`` of it with the AdamW state the step would hold. ``mode="fsdp2"`` is
+  composed by ``fsdp2.compose_step`` instead (FSDP2 cannot run on meta).
 
-What is not emulated: Thunder's torch.compile executors claim CUDA tensors only, so a meta trace has no
-torch.compile fusion regions (``compare.py``'s ``default+cat`` puts rotary's ``cat`` in one). On stablecode-3b
-(2 layers, Thunder's fsdp) and Llama-3-8B the estimate is nevertheless the one the GPU run's own traces give, to
-the byte (docs/accuracy.md).
+For Thunder's fsdp on stablecode-3b and Llama-3-8B the estimate is the one the GPU run's own traces give, to the
+byte; under FSDP2, the transform's record on meta is the GPU run's (docs/accuracy.md). Without the ``cat``
+region, ThunderFX's block took another recomputation plan and the fsdp2+mem prediction was 27% high.
 """
 
 from __future__ import annotations
