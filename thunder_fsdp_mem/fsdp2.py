@@ -38,7 +38,7 @@ rounding are not modelled, as in ``estimate_step``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -238,7 +238,7 @@ class _Ledger:
     def keys(self, prefix: tuple) -> list[Hashable]:
         return [k for k in self.live if isinstance(k, tuple) and k[:len(prefix)] == prefix]
 
-    def phase(self, name: str, timeline: MemoryTimeline | None = None, *, inside: Iterator[Hashable] = (),
+    def phase(self, name: str, timeline: MemoryTimeline | None = None, *, inside: Iterable[Hashable] = (),
               extra: tuple[Allocation, ...] = (), symbol: str = "") -> None:
         """A phase whose timeline (or ``extra``) counts the allocations of keys ``inside``; the rest is outside."""
         skip = set(inside)
