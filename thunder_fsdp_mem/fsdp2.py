@@ -260,7 +260,7 @@ class _Composer:
     """Walks one step in the order it runs, keeping the ledger of what FSDP2, the model and autograd hold."""
 
     def __init__(self, gpt, world_size: int, zero3: bool, blocks: _BlockTraces, idx, targets):
-        self.gpt, self.world_size, self.zero3, self.blocks = gpt, world_size, zero3, blocks
+        self.gpt, self.zero3, self.blocks = gpt, zero3, blocks
         t = gpt.transformer
         self.units = [_unit("wte", t.wte, world_size),
                       *[_unit(f"block {i}", b, world_size) for i, b in enumerate(t.h)],
@@ -437,7 +437,7 @@ class _Composer:
     def _loss(self, logits_key: Hashable) -> None:
         ledger = self.ledger
         log_softmax, grad_nll, grad_logits = loss_allocations(ledger.live[logits_key])
-        ledger.phase("loss", extra=(log_softmax, grad_nll, grad_logits), symbol="log_softmax_backward (eager loss)")
+        ledger.phase("loss", extra=(log_softmax, grad_nll, grad_logits), symbol=grad_logits.symbol)
         ledger.hold(("gradient of", "lm_head"), grad_logits, "autograd")
 
     def _block_backward(self, unit: _Unit) -> None:

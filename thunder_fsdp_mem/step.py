@@ -203,7 +203,8 @@ def _loss_phase(forward: MemoryTimeline, outside: tuple[Allocation, ...]) -> Pha
     if len(outputs) != 1:
         raise ValueError(f"loss='cross_entropy' needs a forward with one output; this one has {len(outputs)}")
     logits = outputs[0]
-    return Phase("loss", None, (*left, *outside), loss_allocations(logits), "log_softmax_backward (eager loss)")
+    extra = loss_allocations(logits)
+    return Phase("loss", None, (*left, *outside), extra, extra[-1].symbol)  # the logits' gradient ends it
 
 
 def loss_allocations(logits: Allocation) -> tuple[Allocation, ...]:
