@@ -26,18 +26,22 @@ def test_probes_measure_what_analyze_predicts_and_change_nothing():
     def record(tag, index):
         samples.append((tag, index, tracker.get_tracker_snapshot("current").get(cpu, {}).get("Total", 0)))
 
-    probed = thunder.jit(views_and_copies, transforms=[MemoryProbeTransform(record)])
+    probe = MemoryProbeTransform(record)
+    probed = thunder.jit(views_and_copies, transforms=[probe])
     plain = thunder.jit(views_and_copies)
     tracker.track_external(a, w)
     with tracker:
         result = probed(a, w)
     assert torch.equal(result, plain(a, w))
 
-    trace = thunder.last_traces(probed)[-1]
+    assert probe.kinds == ["computation"]  # nothing requires a gradient: one trace, without a backward
+    trace = probe.traces[0]  # as the probe received it; the indices are its positions
+    assert trace.bound_symbols[-1].sym.name == "python_return"
     timeline = analyze(trace).timeline
     unpacked = max(i for i, b in enumerate(trace.bound_symbols) if b.sym.name == "unpack_trivial")
     checked = [(i, measured) for tag, i, measured in samples if i > unpacked]
-    assert len(checked) >= 8, "a probe after every bound symbol"
+    assert [i for i, _ in checked] == list(range(unpacked + 1, len(trace.bound_symbols) - 1)), \
+        "a probe after every bound symbol but the return, once each"
     for i, measured in checked:
         assert measured == timeline[i], (i, trace.bound_symbols[i].sym.name)
 
@@ -45,3 +49,15 @@ def test_probes_measure_what_analyze_predicts_and_change_nothing():
 def test_every_must_be_a_positive_int():
     with pytest.raises(ValueError, match="every"):
         MemoryProbeTransform(lambda tag, i: None, every=0)
+
+
+def test_every_other_symbol_and_the_last_one_probed_in_forward_and_backward():
+    seen = []
+    probe = MemoryProbeTransform(lambda tag, i: seen.append((tag, i)), every=2)
+    jitted = thunder.jit(lambda x: (x.sin() * 2).cos().sum(), transforms=[probe])
+    jitted(torch.randn(8, requires_grad=True)).backward()
+    assert probe.kinds == ["forward", "backward"]
+    for tag, trace in enumerate(probe.traces):
+        last = len(trace.bound_symbols) - 2  # the symbol before the return
+        expected = sorted({*range(1, last + 1, 2), last})
+        assert [i for t, i in seen if t == tag] == expected, tag

@@ -3,9 +3,12 @@ real step can be measured op by op and set beside ``analyze``'s prediction.
 
 ``MemoryProbeTransform(callback, every=1)`` inserts, after every ``every``-th bound symbol of each trace it
 sees (and always before the return), a call ``callback(trace_tag, index)``: ``trace_tag`` counts the traces the
-transform has seen (0 = forward, 1 = backward for ``thunder.jit``), ``index`` is the position in that trace of
-the bound symbol just executed, as ``analyze`` numbers it on the probed trace. A probe has no tensor inputs or
+transform has seen (0 = forward, 1 = backward for ``thunder.jit``), ``index`` is the position of the bound symbol
+just executed in the trace the transform received, as ``analyze`` numbers it there (``traces[trace_tag]``; its
+kind, forward, backward or a trace without a backward, in ``kinds[trace_tag]``). A probe has no tensor inputs or
 outputs: it changes no result and no lifetime (``analyze`` treats it as a no-op).
+
+List it after every other transform: it sees the traces as they will run.
 
 Typical callbacks: ``torch.cuda.memory_allocated()`` and ``max_memory_allocated()`` with a peak reset (on GPU),
 or MemTracker's current snapshot (on CPU).
@@ -17,7 +20,7 @@ import itertools
 from collections.abc import Callable
 
 from thunder.core.prims import PrimIDs
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 from thunder.extend import OperatorExecutor, register_executor
 
@@ -56,24 +59,38 @@ class MemoryProbeTransform(Transform):
         self.every = every
         self.callback_id = next(_ids)
         _callbacks[self.callback_id] = callback
-        self._seen = 0
+        self.traces: list[TraceCtx] = []  # by trace tag: the trace received, before the probes
+        self.kinds: list[str] = []  # by trace tag: "forward", "backward" or "computation" (no backward)
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
-        tag = self._seen
-        self._seen += 1
+        tag = len(self.traces)
+        self.traces.append(computation_trace)
+        self.kinds.append(trace_kind(computation_trace))
         return insert_probes(computation_trace, self.callback_id, tag, self.every)
 
 
+def trace_kind(trace: TraceCtx) -> str:
+    """``forward`` (a forward with a backward), ``backward``, or ``computation`` (a trace without a backward)."""
+    if TraceTag.AUGMENTED_FORWARD in trace.tags:
+        return "forward"
+    if TraceTag.BACKWARD in trace.tags:
+        return "backward"
+    return "computation"
+
+
 def insert_probes(trace: TraceCtx, callback_id: int, tag: int, every: int) -> TraceCtx:
-    """A copy of ``trace`` with a probe after every ``every``-th bound symbol and one before the return."""
+    """A copy of ``trace`` with a probe after every ``every``-th bound symbol and one before the return; each probe
+    names the position in ``trace`` of the symbol before it."""
     new = from_trace(trace)
     bsyms = []
-    for count, bsym in enumerate(trace.bound_symbols, start=1):
+    for index, bsym in enumerate(trace.bound_symbols):
         is_return = bsym.sym.id == PrimIDs.RETURN
         if not is_return:
             bsyms.append(bsym)
-        if is_return or count % every == 0:
-            bsyms.append(memory_probe.bind(callback_id, tag, len(bsyms) - 1, output=None))
+        if is_return and index % every != 0:  # the last symbol before the return, where no probe follows it yet
+            bsyms.append(memory_probe.bind(callback_id, tag, index - 1, output=None))
+        elif not is_return and (index + 1) % every == 0:
+            bsyms.append(memory_probe.bind(callback_id, tag, index, output=None))
         if is_return:
             bsyms.append(bsym)
     new.bound_symbols = bsyms
