@@ -30,7 +30,7 @@ def test_views_share_storage_and_copies_allocate():
     # By hand: a (4 KiB) + w (1 KiB) + b + e + x (4 KiB each), all alive at the matmul.
     assert result.peak_bytes == KB4 + 1024 + 3 * KB4
     assert result.peak_symbol == "matmul"
-    assert result.timeline[0] == KB4  # a unpacked
+    assert result.timeline[0] == KB4 + 1024  # a and w, alive from the start: the caller passed them
     assert sum(a.nbytes for a in result.live_at_peak) == result.peak_bytes
     cats = result.bytes_by_category()
     assert cats[Category.INPUT] == KB4 + 1024

@@ -74,7 +74,8 @@ class Allocation:
 class MemoryTimeline:
     """Result of ``analyze``. Indices are positions in ``trace.bound_symbols``.
 
-    ``timeline[i]``: live bytes after bound symbol i (frees of a ``del`` at i included).
+    ``timeline[i]``: live bytes after bound symbol i (frees of a ``del`` at i included); the trace's inputs count
+    from the start, wherever the trace unpacks them.
     ``op_peaks[i]``: live bytes while bound symbol i runs: what was live, its outputs and its workspace.
     ``peak_bytes`` is ``max(op_peaks)``; ``live_at_peak`` lists the allocations alive then, its workspace
     included, so their sizes add up to ``peak_bytes``.
@@ -282,7 +283,22 @@ class _Walk:
             else:
                 inside[i] = self.live
             after[i] = self.live
+        self._inputs_from_start(after, inside)
         return self._result(after, inside, workspaces, symbols)
+
+    def _inputs_from_start(self, after: list[int], inside: list[int]) -> None:
+        """The trace's inputs are alive before it starts (its caller passed them), not from where it unpacks them
+        (Thunder's fsdp unpacks each shard just before its all-gather)."""
+        late = [0] * (len(after) + 1)  # bytes of the inputs first named at each index
+        for record in self.allocs:
+            if record[5] == "input" and record[7] > 0:
+                late[record[7]] += record[1]
+                record[7] = 0
+        missing = 0
+        for i in range(len(after) - 1, -1, -1):
+            missing += late[i + 1]
+            after[i] += missing
+            inside[i] += missing
 
     def _strides_of(self, name: str) -> layout.Strides:
         st = self.strides.get(name)
