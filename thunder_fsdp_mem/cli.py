@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
+    report.add_argument("--measure", action="store_true",
+                        help="also run one step for real, a probe after every symbol, and show it beside the "
+                             "prediction (under torchrun for fsdp2 and thunder-fsdp: torchrun --nproc-per-node W -m "
+                             "thunder_fsdp_mem.cli report --measure ...)")
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
     report.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")
@@ -78,6 +82,8 @@ def _validate(args) -> None:
         raise _UsageError(f"--top must be 0 or more, got {args.top}")
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.measure:
+        _validate_measure(args)
     if args.mode == "jit":
         if args.shard is not None:
             raise _UsageError("--shard applies to --mode fsdp2 and thunder-fsdp, not to --mode jit (one device)")
@@ -109,6 +115,43 @@ def _validate(args) -> None:
                               "thunder-fsdp")
 
 
+def _validate_measure(args) -> None:
+    """``--measure`` runs where the step can run: one process per rank under torchrun, a GPU for cuda."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.mode != "jit" and "RANK" not in os.environ:
+        raise _UsageError(f"--measure --mode {args.mode} runs one process per rank: torchrun --nproc-per-node "
+                          f"{args.world_size or 2} -m thunder_fsdp_mem.cli report --measure ...")
+    if args.mode == "jit" and ranks != 1:
+        raise _UsageError(f"--measure --mode jit runs one process; torchrun started {ranks}")
+    if args.world_size is not None and args.world_size != ranks:
+        raise _UsageError(f"--world-size {args.world_size} but torchrun started {ranks} processes")
+    if args.mode != "jit":
+        args.world_size = ranks
+    import torch
+
+    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        raise _UsageError(f"--measure --device cuda needs a GPU per process, {torch.cuda.device_count()} here; "
+                          "--device cpu measures on CPU (gloo)")
+
+
+def _measure(args, spec, memory):
+    """Every rank runs the step; rank 0 gets every rank's measurement, the others None."""
+    import torch.distributed as dist
+
+    from thunder_fsdp_mem import models, runtime
+    from thunder_fsdp_mem.measure import gather, measure_step
+
+    rank = runtime.init_distributed(args.device)
+    try:
+        measured = measure_step(spec, rank, mode=args.mode, shard=args.shard, executors=args.executors,
+                                dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
+                                memory=memory)
+        return gather(measured)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _report(args) -> int:
     from thunder_fsdp_mem import models
     from thunder_fsdp_mem.config import MemoryConfig
@@ -119,6 +162,21 @@ def _report(args) -> int:
     n_layers = spec.config().n_layer
     plans = [None, MemoryConfig()] if args.transform else [None]
     steps = []
+    measured = None
+    if args.measure:
+        try:
+            shown = os.environ.get("RANK", "0") == "0"
+            with _progress(1, "compiling and measuring one step", shown=shown) as advance:
+                measured = _measure(args, spec, plans[-1])
+                advance()
+        except Exception as e:  # noqa: BLE001 - the run failed (out of memory, a bug): one line unless -v
+            if args.verbose:
+                raise
+            print(f"thunder-fsdp-mem: the measured step failed: {type(e).__name__}: {_first_line(e)} (run with -v "
+                  f"for the traceback)", file=sys.stderr)
+            return 1
+        if measured is None:  # not rank 0: rank 0 reports
+            return 0
     try:
         what = "one block" if args.mode == "fsdp2" else f"{n_layers} layers"
         with _progress(len(plans), f"tracing {what} on the meta device") as advance:
@@ -131,13 +189,19 @@ def _report(args) -> int:
     except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
         if args.verbose:
             raise
-        print(f"thunder-fsdp-mem: internal error while tracing: {type(e).__name__}: {e} (run with -v for the "
-              f"traceback)", file=sys.stderr)
+        print(f"thunder-fsdp-mem: internal error while tracing: {type(e).__name__}: {_first_line(e)} (run with -v "
+              f"for the traceback)", file=sys.stderr)
         return 1
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
     title = (f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
              f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device")
-    report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None)
+    comparison = None
+    if measured is not None:
+        from thunder_fsdp_mem.measure import compare
+
+        comparison = compare(steps[-1], measured)
+    report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
+                          measured=comparison)
     print(render_text(report))
     if args.json:
         try:
@@ -150,9 +214,17 @@ def _report(args) -> int:
     return 0
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
 @contextmanager
-def _progress(total: int, what: str):
-    """A progress bar on stderr over the traces to make (each takes minutes at 32 layers)."""
+def _progress(total: int, what: str, *, shown: bool = True):
+    """A progress bar on stderr over the traces to make (each takes minutes at 32 layers); none where not
+    ``shown`` (the ranks but the first)."""
+    if not shown:
+        yield lambda: None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

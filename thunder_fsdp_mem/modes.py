@@ -23,6 +23,8 @@ SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "eager")
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
 COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
 BASELINE = "fsdp2-inductor"
+THUNDER_MODES = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "thunder",
+                           "thunder+mem"})
 
 
 def valid_modes(nproc: int) -> tuple[str, ...]:
@@ -70,31 +72,41 @@ class Trainer:
             if t.device != device:
                 t.data = t.data.to(device)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor,
+             after_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """One training step; ``after_backward`` is called between the backward and the optimizer step."""
         logits = self.model(idx)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
 
 def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
-          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory=None) -> Trainer:
-    """``memory``: the ``MemoryConfig`` of the +mem modes (the defaults when None)."""
+          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory=None, probe=None) -> Trainer:
+    """``memory``: the ``MemoryConfig`` of the +mem modes (the defaults when None). ``probe``: a Thunder transform
+    listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile with Thunder."""
     from thunder_fsdp_mem.config import MemoryConfig
 
     memory = memory if memory is not None else MemoryConfig()
+    if probe is not None and mode not in THUNDER_MODES:
+        raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
     builders: dict[str, Callable[..., Trainer]] = {
-        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None),
-        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory),
-        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, None)),
-        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, memory)),
+        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None, probe=probe),
+        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory,
+                                             probe=probe),
+        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype,
+                                        compiler=("thunder", executors, None, probe)),
+        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype,
+                                            compiler=("thunder", executors, memory, probe)),
         "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("inductor",)),
         "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=None),
         "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype),
-        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=None),
-        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=memory),
+        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=None, probe=probe),
+        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=memory, probe=probe),
         "inductor": lambda: _plain(mode, spec, rank, dtype, compile_=True),
         "eager": lambda: _plain(mode, spec, rank, dtype, compile_=False),
     }
@@ -128,17 +140,18 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem) -> Trainer:
+def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem, probe) -> Trainer:
     """``mem``: the MemoryConfig of the transform, None for none."""
     import thunder
 
     from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
-    transforms = [FSDPMemoryTransform(mem)] if mem is not None else []
+    transform = FSDPMemoryTransform(mem) if mem is not None else None
+    transforms = [t for t in (transform, probe) if t is not None]
     jitted = thunder.jit(_gpt(spec, rank, dtype), executors=runtime.executors(executors), transforms=transforms)
-    if shard is not None:
+    if shard is not None:  # Thunder's FSDPTransform comes last; it does nothing after the optimization
         jitted = runtime.thunder_fsdp(jitted, shard=shard, device=rank.device)
-    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted, transform=transforms[0] if transforms else None)
+    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted, transform=transform)
 
 
 def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
@@ -160,9 +173,9 @@ def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
 
         from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
-        _, executors, mem = compiler
-        transforms = [FSDPMemoryTransform(mem)] if mem is not None else []  # fresh: ThunderCompiler appends to it
-        transform = transforms[0] if transforms else None
+        _, executors, mem, probe = compiler
+        transform = FSDPMemoryTransform(mem) if mem is not None else None
+        transforms = [t for t in (transform, probe) if t is not None]  # fresh: ThunderCompiler appends to it
         backend = ThunderCompiler(executors=runtime.executors(executors), transforms=transforms)
         model = torch.compile(gpt, backend=backend)
     elif compiler is not None:

@@ -1,7 +1,8 @@
 """The memory report of one step: computed once (``build_report``), rendered as text, JSON or a plot by
 functions that only read it. Only the CLI prints.
 
-A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it. The top
+A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it; and with
+``--measure``, the measured step beside the plan shown (``measure.Comparison``). The top
 allocations at the peak are grouped: allocations of the same shape, dtype, category, producing symbol and source
 line (one per block of a litgpt model) are one row with a count.
 """
@@ -11,10 +12,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.step import StepMemory
 from thunder_fsdp_mem.units import format_bytes
+
+if TYPE_CHECKING:
+    from thunder_fsdp_mem.measure import Comparison
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +54,24 @@ class Plan:
 @dataclass(frozen=True, slots=True)
 class Report:
     """What the report shows. ``plans``: one, or (without the transform, with it); the last is the one whose
-    top allocations and peak the report lists."""
+    top allocations and peak the report lists, and the one ``measured`` was run with."""
 
     title: str
     plans: tuple[Plan, ...]
+    measured: Comparison | None = None
 
     @property
     def shown(self) -> Plan:
         return self.plans[-1]
 
 
-def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None) -> Report:
-    """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside."""
+def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
+                 measured: Comparison | None = None) -> Report:
+    """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
+    ``measured``: ``step`` beside a real run of it."""
     plans = [] if baseline is None else [_plan("without transform", baseline, top)]
     plans.append(_plan("with transform" if baseline is not None else "estimate", step, top))
-    return Report(title=title, plans=tuple(plans))
+    return Report(title=title, plans=tuple(plans), measured=measured)
 
 
 def _plan(label: str, step: StepMemory, top: int) -> Plan:
@@ -120,19 +128,54 @@ def render_text(report: Report) -> str:
             f"{t.symbol[:26]:<26} {_short(t.source)}"
         )
     step = shown.step
-    lines += ["", f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"]
+    last = f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"
+    if report.measured is not None:
+        m = report.measured
+        lines += ["", *_measured_lines(m, width)]
+        last += f"; measured {format_bytes(m.measured_peak_bytes)} ({100 * m.error:+.2f}%)"
+    lines += ["", last]
     return "\n".join(lines)
+
+
+def _measured_lines(m: Comparison, width: int) -> list[str]:
+    ranks = ", ".join(format_bytes(b) for b in m.ranks_peak_bytes)
+    lines = [f"Measured: one step of {m.trainer} on {len(m.ranks_peak_bytes)} {m.device_type} rank(s), a probe after "
+             f"every symbol; rank {m.rank} has the highest peak (per rank: {ranks}):",
+             f"  {'':<{width}}  {'predicted':>18}  {'measured':>18}  {'error':>8}"]
+    for stage, predicted, measured in m.stages:
+        error = f"{100 * (predicted - measured) / measured:+.2f}%" if measured else "-"
+        lines.append(f"  {stage:<{width}}  {format_bytes(predicted):>18}  {format_bytes(measured):>18}  {error:>8}")
+    if m.measured_at_predicted_peak is not None:
+        lines.append(f"  {'over the stretch of the predicted peak':<{width}}  {format_bytes(m.predicted_peak_bytes):>18}"
+                     f"  {format_bytes(m.measured_at_predicted_peak):>18}")
+    lines.append(f"  {'with the optimizer step (not predicted)':<{width}}  {'':>18}  {format_bytes(m.step_peak_bytes):>18}")
+    lines.append(f"  measured peak at: {m.measured_peak_where}")
+    if m.unpaired != (0, 0):
+        lines.append(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: the "
+                     "measured step did not run the traces the prediction has")
+    return lines
 
 
 def render_json(report: Report) -> dict:
     """The shown plan at the top level (``peak_bytes``, ``top``...); with two plans, also ``plans`` with each one's
     summary."""
     shown = report.shown
-    return {
+    out = {
         "title": report.title,
         **_plan_json(shown),
         "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
     }
+    m = report.measured
+    if m is not None:
+        out["measured"] = {
+            "peak_bytes": m.measured_peak_bytes, "error": m.error, "rank": m.rank,
+            "ranks_peak_bytes": list(m.ranks_peak_bytes), "step_peak_bytes": m.step_peak_bytes,
+            "device": m.device_type, "trainer": m.trainer, "at_predicted_peak_bytes": m.measured_at_predicted_peak,
+            "peak_at": m.measured_peak_where,
+            "stages": [{"stage": s, "predicted_bytes": p, "measured_bytes": b} for s, p, b in m.stages],
+            "points": [list(pt) for pt in m.points], "paired_runs": m.paired, "unpaired": list(m.unpaired),
+        }
+    return out
 
 
 def _plan_json(plan: Plan) -> dict:
@@ -195,6 +238,13 @@ def render_plot(report: Report, path: str) -> None:
                                 textcoords="offset points", xytext=(2, 0), fontsize=7, color=line.get_color())
                     labelled = xs[start]
             stage = now
+    if report.measured is not None:
+        points, _ = timeline(report.shown.step)
+        scale = max(1, len(points) - 1)
+        m = report.measured
+        ax.scatter([pos / scale for pos, _, _ in m.points], [b / 2**30 for _, b, _ in m.points], s=4, color="black",
+                   label=f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} "
+                         f"({100 * m.error:+.2f}% predicted)", zorder=3)
     ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")
     ax.set_ylabel("live memory per rank (GiB)")
     ax.set_title(report.title, fontsize=9)
