@@ -10,8 +10,9 @@ A +mem mode may carry its own options, so that one table holds several: ``thunde
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
 the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_allocated``,
-``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: MemTracker's peak and
-nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
+``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: the least peak of
+``cpu_memory.REPEATS`` more steps, from the allocations torch's profiler records, gloo's own buffers left out,
+``thunder_fsdp_mem.cpu_memory``; nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
 estimate is ``estimate_step`` with the eager loss and the optimizer's state. Rows are the maximum over ranks.
 
 ``--jobs N`` runs up to N modes at once to save the minutes Thunder spends compiling 32 layers: each mode still
@@ -72,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="all", help="'all' or a comma-separated list of modes")
     p.add_argument("--steps", type=int, default=10, help="measured steps (median step time)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, MemTracker)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, the profiler's allocations)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
     p.add_argument("--recompute-weight", type=float, default=DEFAULT_RECOMPUTE_WEIGHT,
                    help="MemoryConfig.recompute_weight of the +mem modes")
@@ -433,18 +434,19 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
         peak = torch.cuda.max_memory_allocated()
         reserved = torch.cuda.max_memory_reserved()
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
-    else:
-        from torch.distributed._tools.mem_tracker import MemTracker
+    else:  # timed alone, then measured (not MemTracker: Dynamo would run FSDP2's step eagerly)
+        from thunder_fsdp_mem.cpu_memory import REPEATS, CPUMemory
 
-        tracker = MemTracker()
-        tracker.track_external(trainer.model, trainer.optimizer, idx, targets)
-        with tracker:
-            for _ in range(args.steps):
-                start = time.perf_counter()
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            trainer.step(idx, targets)
+            times.append(time.perf_counter() - start)
+        peaks = []
+        for _ in range(REPEATS):
+            with CPUMemory(trainer.model, trainer.optimizer, idx, targets) as memory:
                 trainer.step(idx, targets)
-                times.append(time.perf_counter() - start)
-                tracker.reset_mod_stats()  # per-module statistics of one step; the overall peak stays
-        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+            peaks.append(memory.peak_bytes)
+        peak = min(peaks)
         reserved = retries = None
     step_s = statistics.median(times)
     return {"peak_bytes": int(peak), "reserved_bytes": reserved, "alloc_retries": retries,

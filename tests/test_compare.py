@@ -1,5 +1,5 @@
-"""benchmarks/compare.py on CPU: every mode but the CUDA-only one runs and is measured (MemTracker, 2 gloo ranks);
-bad input exits 2 with one line."""
+"""benchmarks/compare.py on CPU: every mode but the CUDA-only one runs and is measured (the allocations torch's
+profiler records, 2 gloo ranks); bad input exits 2 with one line."""
 
 import json
 import subprocess
@@ -45,7 +45,7 @@ def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
 
 
 def test_mem_rows_need_no_more_memory_and_are_estimated(comparison):
-    # FSDPMemoryTransform saves less for backward; MemTracker's peaks are deterministic on CPU.
+    # FSDPMemoryTransform saves less for backward; the measured peaks are deterministic on CPU.
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
     assert rows["thunder-fsdp+mem"]["peak_bytes"] <= rows["thunder-fsdp"]["peak_bytes"]
     assert rows["fsdp2-thunder+mem"]["peak_bytes"] <= rows["fsdp2-thunder"]["peak_bytes"]
@@ -55,7 +55,7 @@ def test_mem_rows_need_no_more_memory_and_are_estimated(comparison):
 
 
 def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path):
-    # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; MemTracker's peaks must be
+    # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; the measured peaks must be
     # those of the modes run one after the other.
     out = tmp_path / "jobs.json"
     proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "2",
@@ -90,7 +90,7 @@ def test_bad_input_exits_2_with_one_line(args, message):
 
 
 def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path, capsys):
-    # `thunder-fsdp-mem report` traces on the meta device over 2 fake ranks; the rows were measured by MemTracker
+    # `thunder-fsdp-mem report` traces on the meta device over 2 fake ranks; the rows were measured
     # on 2 real gloo ranks running the same step (GPT, eager cross-entropy, AdamW).
     from thunder_fsdp_mem.cli import main
 
@@ -107,7 +107,8 @@ def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path
 
 def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     # --mode fsdp2 composes one ThunderFX block graph traced on meta with what FSDP2 holds, per rank; the rows
-    # were measured by MemTracker on 2 gloo ranks running FSDP2 (zero2) through ThunderFX.
+    # were measured on 2 gloo ranks running FSDP2 (zero2) through ThunderFX, compiled (under MemTracker, a
+    # dispatch mode, Dynamo would have run the step eagerly).
     from thunder_fsdp_mem.cli import main
 
     out = tmp_path / "report.json"

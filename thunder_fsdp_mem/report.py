@@ -138,9 +138,13 @@ def render_text(report: Report) -> str:
 
 
 def _measured_lines(m: Comparison, width: int) -> list[str]:
-    ranks = ", ".join(format_bytes(b) for b in m.ranks_peak_bytes)
-    lines = [f"Measured: one step of {m.trainer} on {len(m.ranks_peak_bytes)} {m.device_type} rank(s), a probe after "
-             f"every symbol; rank {m.rank} has the highest peak (per rank: {ranks}):",
+    n = len(m.ranks_peak_bytes)
+    where = (f"one {m.device_type} process" if n == 1 else
+             f"{n} {m.device_type} ranks, a probe after every symbol; rank {m.rank} has the highest peak (per rank: "
+             f"{', '.join(format_bytes(b) for b in m.ranks_peak_bytes)})")
+    if n == 1:
+        where += ", a probe after every symbol"
+    lines = [f"Measured: one step of {m.trainer} on {where}:",
              f"  {'':<{width}}  {'predicted':>18}  {'measured':>18}  {'error':>8}"]
     for stage, predicted, measured in m.stages:
         error = f"{100 * (predicted - measured) / measured:+.2f}%" if measured else "-"

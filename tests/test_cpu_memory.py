@@ -1,0 +1,72 @@
+"""cpu_memory: live bytes from the profiler's allocations, against hand-computed sizes, MemTracker on an eager
+step, and a gloo collective whose staging buffers are left out."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from support import memtracker_peak
+from thunder_fsdp_mem.cpu_memory import CPUMemory, held_bytes
+
+KB4 = 4096
+
+
+def test_marks_and_peak_are_the_hand_computed_bytes():
+    held = torch.empty(KB4, dtype=torch.uint8)
+    with CPUMemory(held) as memory:
+        a = torch.empty(KB4, dtype=torch.uint8)
+        memory.mark("a")
+        b = torch.empty(2 * KB4, dtype=torch.uint8)
+        del a
+        memory.mark("b")
+        del b
+        memory.mark("end")
+    assert memory.baseline_bytes == KB4
+    assert [(m.label, m.live_bytes, m.peak_bytes) for m in memory.marks()] == [
+        ("a", 2 * KB4, 2 * KB4),  # held + a
+        ("b", 3 * KB4, 4 * KB4),  # held + b; a and b were alive together
+        ("end", KB4, 3 * KB4),  # the peak since "b" is where it was at "b"
+    ]
+    assert memory.peak_bytes == 4 * KB4
+
+
+def test_held_bytes_counts_parameters_gradients_and_optimizer_state_once():
+    model = torch.nn.Linear(16, 8)  # 16*8 + 8 floats
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()  # exp_avg and exp_avg_sq per parameter, and a step counter each
+    floats = 16 * 8 + 8
+    assert held_bytes(model, optimizer, model.weight) == 4 * (floats * 4) + 2 * 4
+    with pytest.raises(TypeError, match="expected modules, optimizers or tensors"):
+        held_bytes("weights")
+
+
+def test_an_eager_training_step_peaks_where_memtracker_says():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step(x):
+        return model(x).square().mean()
+
+    expected = memtracker_peak(step, x, tracked=(model,))
+    model.zero_grad(set_to_none=True)
+    with CPUMemory(model, x) as memory:
+        step(x).backward()
+    assert memory.peak_bytes == expected
+
+
+def test_gloo_staging_buffers_are_left_out(tmp_path):
+    # One gloo rank: the all-gather's output is the only tensor the program allocates; gloo copies it inside the
+    # collective, and those copies are not the program's.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        shard = torch.randn(1 << 16)
+        with CPUMemory(shard) as memory:
+            out = torch.empty_like(shard)
+            dist.all_gather_into_tensor(out, shard)
+            memory.mark("gathered")
+        assert memory.marks()[0].live_bytes == 2 * shard.nbytes
+        assert memory.peak_bytes == 2 * shard.nbytes
+    finally:
+        dist.destroy_process_group()
