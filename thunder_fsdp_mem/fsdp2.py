@@ -20,8 +20,9 @@ How such a step runs, and how it is composed here:
   - every parameter's shard is its first dimension padded to a multiple of the world size, divided by it; AdamW
     keeps two moments of the shard's size;
   - before a unit's forward, its shards are all-gathered into one buffer of world size x shard bytes and copied
-    out into the unsharded parameters; the buffer is freed when the next unit's copy-out starts (the last one
-    after the root's forward). zero3 frees the unsharded parameters after each unit's forward and gathers them
+    out into the unsharded parameters; the buffer is freed when the next unit's copy-out is done (the last one
+    after the root's forward): ``wait_for_unshard`` drops it before the copy-out, but its local
+    ``prev_all_gather_state`` holds it until the function returns. zero3 frees the unsharded parameters after each unit's forward and gathers them
     again before its backward (buffer freed at once), prefetching the unit that runs next in the backward; zero2
     keeps them until the unit's backward is done;
   - after a unit's backward, its unsharded gradients are copied into a reduce-scatter input (world size x shard
@@ -333,9 +334,6 @@ class _Composer:
         if unit.name not in self.prefetched:
             ledger.hold(("all-gather", unit.name), self._all_gather_buffer(unit), "FSDP2")
         self.prefetched.discard(unit.name)
-        if forward and self.flat is not None:  # the previous unit's buffer is freed at this copy-out
-            ledger.phase(f"forward: all-gather of {unit.name}", symbol="FSDP2 all-gather")
-            ledger.release(("all-gather", self.flat), "FSDP2")
         for pname, shard in unit.shards.items():
             ledger.hold(("gathered", unit.name, pname),
                         _record(f"{unit.name}.{pname} (gathered)", shard.nbytes * unit.world_size,
@@ -343,6 +341,8 @@ class _Composer:
                                 shard.dtype, "FSDP2 all-gather"), "FSDP2")
         ledger.phase(f"{'forward' if forward else 'backward'}: copy-out of {unit.name}", symbol="FSDP2 copy-out")
         if forward:
+            if self.flat is not None:  # the previous unit's buffer, freed once this copy-out is done
+                ledger.release(("all-gather", self.flat), "FSDP2")
             self.flat = unit.name
         else:
             ledger.release(("all-gather", unit.name), "FSDP2")

@@ -258,7 +258,7 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
     if top is None or measured.after_probes_bytes > points[top][1]:
         where_peak = "after the last probe, before the optimizer step (the end of the backward)"
     else:
-        where_peak = where[top]
+        where_peak = f"in the stretch up to the probe after {where[top]}"
 
     def stage(kind: str) -> tuple[int, int]:
         chosen = [pt for pt, k in zip(points, kinds) if k == kind]

@@ -153,7 +153,7 @@ def _measured_lines(m: Comparison, width: int) -> list[str]:
         lines.append(f"  {'over the stretch of the predicted peak':<{width}}  {format_bytes(m.predicted_peak_bytes):>18}"
                      f"  {format_bytes(m.measured_at_predicted_peak):>18}")
     lines.append(f"  {'with the optimizer step (not predicted)':<{width}}  {'':>18}  {format_bytes(m.step_peak_bytes):>18}")
-    lines.append(f"  measured peak at: {m.measured_peak_where}")
+    lines.append(f"  measured peak: {m.measured_peak_where}")
     if m.unpaired != (0, 0):
         lines.append(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: the "
                      "measured step did not run the traces the prediction has")
