@@ -21,6 +21,7 @@ there and the peak since the previous mark (or the start).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -79,6 +80,8 @@ class CPUMemory:
     def __enter__(self) -> CPUMemory:
         from torch.profiler import ProfilerActivity, profile
 
+        # Kineto looks for GPUs and prints an error line on a machine without them; its errors are of no use here.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.baseline_bytes = held_bytes(*self._held)
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True)
         self._profile.__enter__()

@@ -246,9 +246,9 @@ def render_plot(report: Report, path: str) -> None:
         points, _ = timeline(report.shown.step)
         scale = max(1, len(points) - 1)
         m = report.measured
-        ax.scatter([pos / scale for pos, _, _ in m.points], [b / 2**30 for _, b, _ in m.points], s=4, color="black",
-                   label=f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} "
-                         f"({100 * m.error:+.2f}% predicted)", zorder=3)
+        label = f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} ({100 * m.error:+.2f}% predicted)"
+        ax.scatter([pos / scale for pos, _, _ in m.points], [b / 2**30 for _, b, _ in m.points], s=2, color="black",
+                   linewidths=0, label=label, zorder=3)
     ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")
     ax.set_ylabel("live memory per rank (GiB)")
     ax.set_title(report.title, fontsize=9)
