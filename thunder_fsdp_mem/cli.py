@@ -7,6 +7,7 @@ import argparse
 import difflib
 import json
 import os
+import shutil
 import sys
 from contextlib import contextmanager
 
@@ -202,7 +203,8 @@ def _report(args) -> int:
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
                           measured=comparison)
-    print(render_text(report))
+    color = sys.stdout.isatty()
+    print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     if args.json:
         try:
             with open(args.json, "w") as f:

@@ -9,6 +9,7 @@ line (one per block of a litgpt model) are one row with a count.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TopAllocation:
-    """Allocations alive at the peak that share a pattern: ``count`` of them, ``nbytes`` each; ``name`` is the
-    first one's."""
+    """Allocations alive at the peak that share a pattern: ``count`` of them, ``nbytes`` each; ``name`` is
+    ``pattern_name`` of theirs (the layers' numbers as a range)."""
 
     name: str
     shape: tuple[int, ...]
@@ -82,10 +83,33 @@ def _plan(label: str, step: StepMemory, top: int) -> Plan:
     for a in step.live_at_peak:
         key = (a.shape, a.dtype, a.category, a.symbol, a.source, a.nbytes)
         groups.setdefault(key, []).append(a)
-    rows = [TopAllocation(g[0].name, g[0].shape, g[0].dtype, g[0].nbytes, g[0].category, g[0].symbol, g[0].source,
-                          len(g)) for g in groups.values()]
+    rows = [TopAllocation(pattern_name([a.name for a in g]), g[0].shape, g[0].dtype, g[0].nbytes, g[0].category,
+                          g[0].symbol, g[0].source, len(g)) for g in groups.values()]
     rows.sort(key=lambda t: -t.total_bytes)
     return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
+
+
+_PROXY = re.compile(r"[a-z]{1,3}\d+")  # a trace's own names (t813, ft2154): their numbers are no layer's
+
+
+def pattern_name(names: list[str]) -> str:
+    """One name for a group: where the names differ only in numbers, those numbers as ranges
+    (``block [0-31].mlp.fc.weight (gathered)``); otherwise, and for a trace's own names, the first name."""
+    parts = [re.split(r"(\d+)", name) for name in names]
+    first = parts[0]
+    if _PROXY.fullmatch(names[0]) or any(len(p) != len(first) or p[0::2] != first[0::2] for p in parts):
+        return names[0]
+    out = []
+    for i, piece in enumerate(first):
+        values = sorted({int(p[i]) for p in parts}) if i % 2 else []
+        out.append(piece if len(values) <= 1 else _numbers(values))
+    return "".join(out)
+
+
+def _numbers(values: list[int]) -> str:
+    if values == list(range(values[0], values[-1] + 1)):
+        return f"[{values[0]}-{values[-1]}]"
+    return "[" + ",".join(map(str, values[:4])) + (",..." if len(values) > 4 else "") + "]"
 
 
 def _summary(step: StepMemory) -> list[tuple[str, str, int]]:
@@ -101,63 +125,89 @@ def _summary(step: StepMemory) -> list[tuple[str, str, int]]:
     ]
 
 
-def render_text(report: Report) -> str:
+def render_text(report: Report, *, width: int = 180, color: bool = False) -> str:
+    """The report as rich tables, one string (``color``: with the terminal's styles)."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=width, color_system="standard" if color else None,
+                      force_terminal=color, highlight=False)
     plans = report.plans
-    labels = [label for label, _, _ in _summary(plans[0].step)]
-    width = max(len(label) for label in labels + [c.value for p in plans for c, _ in p.by_category])
-    header = f"  {'':<{width}}" + "".join(f"  {p.label:>18}" for p in plans)
-    lines = [report.title, "", header]
+    console.print(report.title, soft_wrap=True)
+    console.print()
+    summary = _table("step", *(p.label for p in plans))
     columns = [_summary(p.step) for p in plans]
-    for i, label in enumerate(labels):
-        lines.append(f"  {label:<{width}}" + "".join(f"  {format_bytes(c[i][2]):>18}" for c in columns))
-    lines += ["", "At the peak, by category:"]
-    categories = list(dict.fromkeys(c for p in plans for c, _ in p.by_category))
-    for category in categories:
-        values = [dict(p.by_category).get(category, 0) for p in plans]
-        lines.append(f"  {category.value:<{width}}" + "".join(f"  {format_bytes(v):>18}" for v in values))
+    for i, (label, key, _) in enumerate(columns[0]):
+        summary.add_row(label, *(format_bytes(c[i][2]) for c in columns), style="bold" if key == "peak_bytes" else None)
+    console.print(summary)
+    console.print()
+    by_category = _table("at the peak, by category", *(p.label for p in plans))
+    for category in dict.fromkeys(c for p in plans for c, _ in p.by_category):
+        by_category.add_row(category.value, *(format_bytes(dict(p.by_category).get(category, 0)) for p in plans))
+    console.print(by_category)
+    console.print()
     shown = report.shown
-    lines += ["", f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, "
-                  f"dtype, symbol and source line counted once, as in repeated layers):"]
-    lines.append(f"  {'name':<26} {'count':>5} {'shape':<20} {'dtype':<9} {'size each':>11} {'total':>11}  "
-                 f"{'category':<20} {'symbol':<26} source")
+    console.print(f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
+                  "symbol and source line counted once, as in repeated layers):", soft_wrap=True)
+    wide = width >= 160  # a narrower terminal leaves out the symbol and the source line
+    columns = _TOP_COLUMNS if wide else _TOP_COLUMNS[:7]
+    top = _table(*(header for header, _, _ in columns))
+    for column, (_, least, most) in zip(top.columns, columns):
+        column.min_width, column.max_width, column.overflow = least, most, "ellipsis"
+        column.justify = "right" if column.header in ("count", "size each", "total") else "left"
     for t in shown.top:
-        shape = "x".join(str(s) for s in t.shape) or "-"
-        lines.append(
-            f"  {t.name[:26]:<26} {'x' + str(t.count):>5} {shape[:20]:<20} {t.dtype[:9]:<9} "
-            f"{format_bytes(t.nbytes):>11} {format_bytes(t.total_bytes):>11}  {t.category.value:<20} "
-            f"{t.symbol[:26]:<26} {_short(t.source)}"
-        )
+        row = (t.name, f"x{t.count}", "x".join(str(d) for d in t.shape) or "-", t.dtype, format_bytes(t.nbytes),
+               format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source))
+        top.add_row(*row[:len(columns)])
+    console.print(top)
+    console.print()
     step = shown.step
     last = f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"
     if report.measured is not None:
         m = report.measured
-        lines += ["", *_measured_lines(m, width)]
+        _print_measured(console, m)
+        console.print()
         last += f"; measured {format_bytes(m.measured_peak_bytes)} ({100 * m.error:+.2f}%)"
-    lines += ["", last]
-    return "\n".join(lines)
+    console.print(last, style="bold", soft_wrap=True)
+    return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip("\n").splitlines())
 
 
-def _measured_lines(m: Comparison, width: int) -> list[str]:
+# The top allocations' columns: (header, least width, most width); the figures are never cut.
+_TOP_COLUMNS = (("name", None, 44), ("count", 5, None), ("shape", None, 22), ("dtype", 8, None),
+                ("size each", 10, None), ("total", 10, None), ("category", 20, None), ("symbol", None, 30),
+                ("source", None, 40))
+
+
+def _table(first: str, *others: str):
+    """A table whose first column names the rows and whose other columns are right-aligned figures."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column(first, no_wrap=True)
+    for header in others:
+        table.add_column(header, justify="right", no_wrap=True)
+    return table
+
+
+def _print_measured(console, m: Comparison) -> None:
     n = len(m.ranks_peak_bytes)
     where = (f"one {m.device_type} process" if n == 1 else
-             f"{n} {m.device_type} ranks, a probe after every symbol; rank {m.rank} has the highest peak (per rank: "
+             f"{n} {m.device_type} ranks; rank {m.rank} has the highest peak (per rank: "
              f"{', '.join(format_bytes(b) for b in m.ranks_peak_bytes)})")
-    if n == 1:
-        where += ", a probe after every symbol"
-    lines = [f"Measured: one step of {m.trainer} on {where}:",
-             f"  {'':<{width}}  {'predicted':>18}  {'measured':>18}  {'error':>8}"]
+    console.print(f"Measured: one step of {m.trainer} on {where}, a probe after every symbol:", soft_wrap=True)
+    table = _table("stage", "predicted", "measured", "error")
     for stage, predicted, measured in m.stages:
         error = f"{100 * (predicted - measured) / measured:+.2f}%" if measured else "-"
-        lines.append(f"  {stage:<{width}}  {format_bytes(predicted):>18}  {format_bytes(measured):>18}  {error:>8}")
+        table.add_row(stage, format_bytes(predicted), format_bytes(measured), error)
     if m.measured_at_predicted_peak is not None:
-        lines.append(f"  {'over the stretch of the predicted peak':<{width}}  {format_bytes(m.predicted_peak_bytes):>18}"
-                     f"  {format_bytes(m.measured_at_predicted_peak):>18}")
-    lines.append(f"  {'with the optimizer step (not predicted)':<{width}}  {'':>18}  {format_bytes(m.step_peak_bytes):>18}")
-    lines.append(f"  measured peak: {m.measured_peak_where}")
+        table.add_row("over the stretch of the predicted peak", format_bytes(m.predicted_peak_bytes),
+                      format_bytes(m.measured_at_predicted_peak), "")
+    table.add_row("with the optimizer step (not predicted)", "", format_bytes(m.step_peak_bytes), "")
+    console.print(table)
+    console.print(f"  measured peak: {m.measured_peak_where}", soft_wrap=True)
     if m.unpaired != (0, 0):
-        lines.append(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: the "
-                     "measured step did not run the traces the prediction has")
-    return lines
+        console.print(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: "
+                      "the measured step did not run the traces the prediction has", style="yellow", soft_wrap=True)
 
 
 def render_json(report: Report) -> dict:
