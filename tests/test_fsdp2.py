@@ -91,3 +91,21 @@ def test_bad_input_is_refused():
     with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
         fsdp2.compose_step(gemma2, world_size=2, shard="zero2", device_type="cpu")
     assert not torch.distributed.is_initialized()
+
+
+def test_block_allocations_are_placed_at_litgpt_lines(steps):
+    # A ThunderFX trace places its symbols in the code FX generated (<eval_with_key>.N:line); the composition
+    # places them where the FX node was traced from. Each place must be a line of litgpt that exists.
+    import linecache
+
+    # (The backward trace's symbols carry no place at all.)
+    forwards = [p.timeline for p in steps["zero2"].phases if p.timeline is not None and p.name.startswith("forward")]
+    assert len(forwards) == 2  # one per block
+    for timeline in forwards:
+        sources = {a.source for a in timeline.allocations if a.source}
+        assert not any(s.startswith("<eval_with_key>") for s in sources), sorted(sources)[:5]
+        in_litgpt = [s for s in sources if "/litgpt/" in s]
+        assert len(in_litgpt) >= 3
+        for source in in_litgpt:
+            path, _, line = source.rpartition(":")
+            assert linecache.getline(path, int(line)).strip(), source

@@ -39,6 +39,7 @@ rounding are not modelled, as in ``estimate_step``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -124,13 +125,58 @@ def _trace_blocks(gpt, idx, executors: list, memory, device_type: str) -> _Block
         raise NotImplementedError(
             f"the blocks compile to {len(backend.subgraph_infos)} graphs and {len(fns)} Thunder functions; the "
             "fsdp2 composition needs one graph that every block runs")
-    forward_trace = thunder.last_traces(fns[0])[-1]
-    backward_trace = thunder.last_backward_traces(fns[0])[-1]
+    sources = _fx_sources(backend.subgraph_infos[0].split_graph_module)
+    forward_trace = _placed_at_user_lines(thunder.last_traces(fns[0])[-1], sources)
+    backward_trace = _placed_at_user_lines(thunder.last_backward_traces(fns[0])[-1], sources)
     activation = _activation_name(forward_trace, tuple(x.shape))
     output, saved = _returned(forward_trace)
     forward = analyze(forward_trace, inputs=_forward_specs(forward_trace), device_type=device_type)
     backward = analyze(backward_trace, inputs=_backward_specs(forward), device_type=device_type)
     return _BlockTraces(forward, backward, activation, output, saved)
+
+
+_ASSIGNED = re.compile(r"\s*(\w+) = ")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _fx_sources(module: torch.fx.GraphModule) -> dict[tuple[str, int], str]:
+    """(file, line) of the code FX generated for each graph of ``module`` -> ``path:line`` of the user's code the
+    line's node was traced from (the last frame of its stack trace). A Thunder trace of a ThunderFX graph places
+    its symbols in the generated code (``<eval_with_key>.4:43``), which tells a reader nothing."""
+    found = {}
+    for _, graph_module in module.named_modules():
+        if not isinstance(graph_module, torch.fx.GraphModule):
+            continue
+        filename = graph_module.forward.__code__.co_filename
+        nodes = {node.name: node for node in graph_module.graph.nodes}
+        for lineno, text in enumerate(graph_module.code.splitlines(), start=1):
+            assigned = _ASSIGNED.match(text)
+            node = nodes.get(assigned.group(1)) if assigned else None
+            frames = _FRAME.findall(node.meta.get("stack_trace") or "") if node is not None else []
+            if frames:
+                found[filename, lineno] = f"{frames[-1][0]}:{frames[-1][1]}"
+    return found
+
+
+def _placed_at_user_lines(trace, sources: dict[tuple[str, int], str]):
+    """``trace`` with its symbols (and their subsymbols) from generated code placed at the user's lines."""
+    from dis import Positions
+
+    from thunder.core.trace import from_trace
+
+    def placed(bsym):
+        subsymbols = [placed(sub) for sub in bsym.subsymbols]
+        line = bsym.source_positions.lineno if bsym.source_positions else None
+        user = sources.get((bsym.source_filename, line))
+        if user is None:
+            return bsym.from_bsym(subsymbols=subsymbols)
+        filename, _, lineno = user.rpartition(":")
+        return bsym.from_bsym(subsymbols=subsymbols, source_filename=filename,
+                              source_positions=Positions(int(lineno), int(lineno), None, None))
+
+    out = from_trace(trace)
+    out.bound_symbols = [placed(bsym) for bsym in trace.bound_symbols]
+    return out
 
 
 def _returned(trace) -> tuple[str, tuple[str, ...]]:
