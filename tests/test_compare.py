@@ -65,7 +65,9 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
     alone = {r["mode"]: r for r in comparison[0]["rows"]}
     for row in json.loads(out.read_text())["rows"]:
         assert row["status"] == "ok", row
-        assert row["peak_bytes"] == alone[row["mode"]]["peak_bytes"], row["mode"]
+        # The profiled peaks of one mode differ by up to a KiB from run to run (1024 B seen: small allocations
+        # whose timing varies); another mode's memory would be megabytes.
+        assert abs(row["peak_bytes"] - alone[row["mode"]]["peak_bytes"]) <= 4096, row["mode"]
         assert row["setup_s"] > 0
 
 

@@ -26,8 +26,9 @@ How such a step runs, and how it is composed here:
     again before its backward (buffer freed at once), prefetching the unit that runs next in the backward; zero2
     keeps them until the unit's backward is done;
   - after a unit's backward, its unsharded gradients are copied into a reduce-scatter input (world size x shard
-    bytes) and freed; the reduce-scatter's output is the sharded gradient, kept; the input is freed when the
-    next unit's reduce-scatter starts (the last at the end of the backward).
+    bytes); the reduce-scatter's output, the sharded gradient, is allocated and kept, and only then are the
+    unsharded gradients freed (``foreach_reduce`` clears its list, but the parameters' ``grad`` still hold them);
+    the input is freed when the next unit's reduce-scatter starts (the last at the end of the backward).
 - The caller holds the logits until ``backward`` returns; the loss is ``step.loss_allocations``.
 
 Limitations: litgpt's plain ``GPT.forward`` only (embedding, blocks, final norm, head); configurations with
@@ -416,11 +417,11 @@ class _Composer:
                     _record(f"reduce-scatter input of {unit.name}", unit.gathered_bytes, Category.COMM_BUFFER,
                             symbol="FSDP2 reduce-scatter"), "FSDP2")
         self.scattering = unit.name
+        ledger.hold(("gradient", unit.name), _record(f"gradients of {unit.name} (shard)", unit.shard_bytes,
+                                                     Category.GRADIENT, symbol="FSDP2 reduce-scatter"), "model")
         ledger.phase(f"backward: reduce-scatter of {unit.name}", symbol="FSDP2 reduce-scatter")
         for key in ledger.keys(("unsharded gradient", unit.name)):
             ledger.release(key, "autograd")
-        ledger.hold(("gradient", unit.name), _record(f"gradients of {unit.name} (shard)", unit.shard_bytes,
-                                                     Category.GRADIENT, symbol="FSDP2 reduce-scatter"), "model")
 
     # the units' compute -------------------------------------------------------------------------------------
     def _eager_forward(self, unit: _Unit, x: torch.Tensor, x_key: Hashable) -> tuple[torch.Tensor, Hashable]:
