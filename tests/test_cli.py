@@ -56,6 +56,8 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert isinstance(report["peak_bytes"], int)
     assert {"name", "shape", "dtype", "bytes", "category"} <= set(report["top"][0])
+    # traced, held and anticipated tensors spell their dtypes alike (Thunder's short names)
+    assert {t["dtype"] for t in report["top"]} <= {"bf16", "f32", "i64"}, [t["dtype"] for t in report["top"]]
 
     # The report traces on the meta device; the same step run for real on CPU (the GPT, the eager cross-entropy
     # on its logits, AdamW state from a first step), measured by MemTracker.

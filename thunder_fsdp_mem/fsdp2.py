@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thunder_fsdp_mem import models
+from thunder_fsdp_mem import models, ops
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.step import Phase, StepMemory, loss_allocations
@@ -258,7 +258,7 @@ def _unit(name: str, module: torch.nn.Module, world_size: int) -> _Unit:
     for qualname, p in module.named_parameters():
         shape = tuple(p.shape) or (1,)
         rows = math.ceil(shape[0] / world_size)
-        shards[qualname] = _Shard((rows, *shape[1:]), str(p.dtype).removeprefix("torch."),
+        shards[qualname] = _Shard((rows, *shape[1:]), ops.dtype_name(p),
                                   rows * math.prod(shape[1:]) * p.element_size())
     return _Unit(name, module, shards, world_size)
 
@@ -301,7 +301,7 @@ def _record(name: str, nbytes: int, category: Category, shape=(), dtype: str = "
 
 def _tensor_record(name: str, t: torch.Tensor, category: Category, symbol: str) -> Allocation:
     return _record(name, t.numel() * t.element_size(), category, tuple(t.shape),
-                   str(t.dtype).removeprefix("torch."), symbol)
+                   ops.dtype_name(t), symbol)
 
 
 class _Composer:
@@ -502,7 +502,7 @@ class _Composer:
         gradient and what it saved are alive."""
         kind = f"{type(unit.module).__name__} backward"
         params = [_record(f"gradient of {unit.name}.{n}", p.numel() * p.element_size(), Category.GRADIENT,
-                          tuple(p.shape), str(p.dtype).removeprefix("torch."), kind)
+                          tuple(p.shape), ops.dtype_name(p), kind)
                   for n, p in unit.module.named_parameters()]
         x = self.inputs.get(unit.name)
         inputs = [] if x is None else [_record(f"gradient of {unit.name}'s input", x.nbytes, Category.TEMPORARY,

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
 
@@ -120,9 +121,16 @@ def nbytes(t: TensorLike) -> int:
     return numel * t.dtype.bytes
 
 
-def dtype_name(t: TensorLike) -> str:
-    short = getattr(t.dtype, "shortname", None)
-    return short() if callable(short) else str(t.dtype)
+def dtype_name(t) -> str:
+    """Thunder's short name of the dtype of a proxy or of a torch tensor (``bf16``, ``f32``...), so that the report
+    spells the dtypes of traced and held tensors alike."""
+    dtype = t.dtype
+    if isinstance(dtype, torch.dtype):
+        from thunder.core.dtypes import to_dtype
+
+        dtype = to_dtype(dtype)
+    short = getattr(dtype, "shortname", None)
+    return short() if callable(short) else str(dtype)
 
 
 def shape(t: TensorLike) -> layout.Shape:

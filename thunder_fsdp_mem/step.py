@@ -33,7 +33,7 @@ import thunder
 
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.ops import proxy_names
+from thunder_fsdp_mem.ops import dtype_name, proxy_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +229,7 @@ def _optimizer_state(optimizer) -> list[Allocation]:
             if isinstance(t, torch.Tensor):
                 records[_storage_key(t)] = Allocation(
                     f"optimizer state {key} #{i}", t.untyped_storage().nbytes(), Category.OPTIMIZER_STATE,
-                    tuple(t.shape), str(t.dtype).removeprefix("torch."), "held outside the trace", None, -1, None,
+                    tuple(t.shape), dtype_name(t), "held outside the trace", None, -1, None,
                     True)
     return list(records.values())
 
@@ -249,8 +249,8 @@ def _anticipated_adam_state(optimizer) -> list[Allocation]:
         for key in keys:
             records.append(Allocation(
                 f"optimizer state {key} #{i}", param.numel() * param.element_size(), Category.OPTIMIZER_STATE,
-                tuple(param.shape), str(param.dtype).removeprefix("torch."), "anticipated", None, -1, None, True))
-        records.append(Allocation(f"optimizer state step #{i}", 4, Category.OPTIMIZER_STATE, (), "float32",
+                tuple(param.shape), dtype_name(param), "anticipated", None, -1, None, True))
+        records.append(Allocation(f"optimizer state step #{i}", 4, Category.OPTIMIZER_STATE, (), "f32",
                                   "anticipated", None, -1, None, True))
     return records
 
@@ -297,7 +297,7 @@ def _persistent_tensors(fn, trace) -> dict[str, _Held]:
         for qualname, t in [*fn.named_parameters(), *fn.named_buffers()]:
             name = "t_" + qualname.replace(".", "_")
             record = _held_record(qualname, t.untyped_storage().nbytes(), Category.PARAMETER, tuple(t.shape),
-                                  str(t.dtype).removeprefix("torch."))
+                                  dtype_name(t))
             out[name] = _Held(_storage_key(t), record)
     for a in trace.args:
         if hasattr(a, "shape") and hasattr(a, "dtype") and a.name not in out:
