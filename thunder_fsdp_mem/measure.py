@@ -31,6 +31,7 @@ import torch
 from thunder_fsdp_mem import models, modes, runtime
 from thunder_fsdp_mem.cpu_memory import REPEATS
 from thunder_fsdp_mem.probes import MemoryProbeTransform
+from thunder_fsdp_mem.report import timeline
 from thunder_fsdp_mem.step import StepMemory
 
 WARMUP = 2
@@ -223,10 +224,8 @@ class Comparison:
 def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
     """``step``'s prediction beside the rank of ``measurements`` with the highest peak."""
     measured = max(measurements, key=lambda m: m.peak_bytes)
-    predicted = [p for phase in step.phases for p in phase.points()]
-    starts = [0]
-    for phase in step.phases:
-        starts.append(starts[-1] + len(phase.points()))
+    predicted, marks = timeline(step)
+    starts = [start for _, start in marks] + [len(predicted)]
     traced = [(i, _kind(p.name)) for i, p in enumerate(step.phases) if p.timeline is not None]
     points: list[tuple[int, int, int]] = []
     kinds: list[str] = []
