@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from support import memtracker_peak
-from thunder_fsdp_mem.cpu_memory import CPUMemory, held_bytes
+from thunder_fsdp_mem.cpu_memory import CPUMemory, held_bytes, running_totals
 
 KB4 = 4096
 
@@ -28,6 +28,25 @@ def test_marks_and_peak_are_the_hand_computed_bytes():
         ("end", KB4, 3 * KB4),  # the peak since "b" is where it was at "b"
     ]
     assert memory.peak_bytes == 4 * KB4
+
+
+def test_a_free_gloo_did_unseen_neither_hides_a_later_free_nor_counts_twice():
+    # Hand-built events (time, size, address, inside a collective, mark). Gloo's worker thread frees what the
+    # profiler does not see: a collective's clone at address 1 (the CI failure: the next tensor there lost its
+    # free, and 128 KiB stayed counted to the end), and a program tensor at address 2.
+    raw = [
+        (0, 100, 1, True, None),  # a reduce-scatter's clone of its input; freed on gloo's thread, unrecorded
+        (1, 40, 1, False, None),  # a program tensor at the same address
+        (2, -40, 1, False, None),
+        (3, 0, 0, False, "a"),
+        (4, 30, 2, False, None),  # a gathered weight; the program drops it, gloo's thread frees it, unrecorded
+        (5, 0, 0, False, "b"),
+        (6, 10, 2, False, None),  # the address is reused: the 30 bytes were freed before
+        (7, -5, 3, False, None),  # a tensor of the baseline freed
+        (8, 0, 0, False, "c"),
+    ]
+    assert running_totals(raw) == [(0, 0, None), (1, 40, None), (2, 0, None), (3, 0, "a"), (4, 30, None),
+                                   (5, 0, "b"), (6, 10, None), (7, 5, None), (8, 0, "c")]
 
 
 def test_held_bytes_counts_parameters_gradients_and_optimizer_state_once():

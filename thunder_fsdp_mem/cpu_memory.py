@@ -10,9 +10,14 @@ Gloo, unlike NCCL, stages collectives in buffers of its own: an all-gather alloc
 reduce-scatter clones its input. Allocations made inside a collective (the profiler's ``c10d::`` and ``gloo:``
 events), and their frees, are left out: what is counted is what the program's tensors hold, as on NCCL.
 
-Under the profiler, now and then a collective's output buffer outlives its last reference, to the end of the step
-(Thunder's fsdp on gloo, pythia-14m: one rank's gathered embedding in 3 of 8 profiled steps, never in 12 steps
-under MemTracker). It only ever adds memory, so a measurement takes the least peak of ``REPEATS`` steps.
+The profiler records the allocations and frees of the thread that profiles (and of the threads autograd lends it),
+not those of gloo's worker thread. A collective's work holds its tensors until that thread drops it, which now and
+then comes after the program dropped its last reference: that free goes unrecorded. Each address therefore keeps
+its occupant, and an allocation at an occupied address frees the occupant first. So a gloo buffer freed unseen
+never takes a later tensor's free with it, and a program tensor freed unseen is freed late (at the reuse of its
+address) or never (pythia-14m under FSDP2 or Thunder's fsdp on gloo: a gathered embedding, a reduce-scatter
+input, in about 1 of 6 profiled steps per rank on one shared core). That only ever adds memory, so a measurement
+takes the least peak of ``REPEATS`` steps.
 
 ``CPUMemory(held)`` is a context manager: inside it, ``mark(label)`` notes a point of the program; afterwards
 ``peak_bytes`` is the peak of the live bytes over the context, and ``marks()`` gives, per mark, the live bytes
@@ -114,8 +119,7 @@ class CPUMemory:
 
 
 def _events(profile) -> list[tuple[int, int, str | None]]:
-    """The profile's CPU allocations (time, running total) and marks (time, 0, label), in time order. Buffers
-    gloo allocates inside a collective, and their frees, are left out (see ``CPUMemory``)."""
+    """The profile's CPU allocations (time, running total) and marks (time, 0, label), in time order."""
     raw = []  # (time, bytes allocated or freed, address, made inside a collective, mark label)
     stack = [(event, False) for event in profile.profiler.kineto_results.experimental_event_tree()]
     while stack:
@@ -129,18 +133,28 @@ def _events(profile) -> list[tuple[int, int, str | None]]:
         elif event.name.startswith(_PREFIX):
             raw.append((event.start_time_ns, 0, 0, False, event.name[len(_PREFIX):]))
     raw.sort(key=lambda e: e[0])
-    found, total, internal = [], 0, set()
+    return running_totals(raw)
+
+
+def running_totals(raw) -> list[tuple[int, int, str | None]]:
+    """``raw``: (time, bytes allocated (> 0) or freed (< 0), address, made inside a collective, mark label or
+    None), in time order. Returns (time, bytes the program's tensors hold since the start, None) per allocation or
+    free, and (time, 0, label) per mark. Buffers allocated inside a collective, and their frees, are left out; an
+    allocation at an address still occupied frees the occupant first (its free went unrecorded, see the module's
+    docstring). A free of an address allocated before the start is counted: it was a tensor of the baseline."""
+    found, total = [], 0
+    occupant: dict[int, int] = {}  # address -> bytes counted for the tensor there (0: a collective's buffer)
     for time, size, address, inside, label in raw:
         if label is not None:
             found.append((time, 0, label))
             continue
-        if size > 0 and inside:
-            internal.add(address)
-            continue
-        if size < 0 and address in internal:
-            internal.discard(address)
-            continue
-        total += size
+        counted = occupant.pop(address, None)
+        if size > 0:
+            total -= counted or 0
+            occupant[address] = 0 if inside else size
+            total += occupant[address]
+        elif counted != 0:
+            total += size
         found.append((time, total, None))
     return found
 

@@ -10,7 +10,7 @@ compile and create the optimizer state; the next step is recorded:
   ``benchmarks/compare.py``'s peak covers both);
 - on CPU the same figures, from the allocations torch's profiler records (``cpu_memory``: MemTracker, a dispatch
   mode, would have Dynamo run the FSDP2 step eagerly); of ``cpu_memory.REPEATS`` recorded steps the one with the
-  least peak is kept (the profiler at times keeps a collective's buffer alive late).
+  least peak is kept (the profiler does not see the frees on gloo's worker thread).
 
 ``compare(step, measurements) -> Comparison`` sets the prediction (a ``StepMemory``) beside the rank with the
 highest measured peak. Each run of a forward or backward trace is paired, in order, with the next phase of the
