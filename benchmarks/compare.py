@@ -5,7 +5,8 @@
         [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--json out.json] [--plot out.png]
 
 A +mem mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1`` (``w``:
-``recompute_weight``, ``ag``: ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``).
+``recompute_weight``, ``ag``: ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``:
+``fold_casts``, 0 or 1).
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -134,13 +135,15 @@ def validate(args) -> list[str]:
     return chosen
 
 
-VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters"}
+VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters",
+                "fold": "fold_casts"}
+_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v]}
 
 
 def split_variant(mode: str) -> tuple[str, dict]:
     """``thunder-fsdp+mem@w=0.1@ag=1`` -> (``thunder-fsdp+mem``, MemoryConfig options): a +mem mode with its own
-    recompute weight (``w``) or windows (``ag``: all-gathers, ``rs``: reduce-scatters), so that one table can
-    hold several."""
+    recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters) or folded casts (``fold``:
+    0 or 1), so that one table can hold several."""
     base, *parts = mode.split("@")
     options = {}
     for part in parts:
@@ -148,9 +151,10 @@ def split_variant(mode: str) -> tuple[str, dict]:
         if key not in VARIANT_KEYS:
             raise UsageError(f"mode {mode!r}: unknown option {key!r}; known: {', '.join(VARIANT_KEYS)}")
         try:
-            options[VARIANT_KEYS[key]] = float(value) if key == "w" else int(value)
-        except ValueError:
-            raise UsageError(f"mode {mode!r}: {key} must be a number, got {value!r}") from None
+            options[VARIANT_KEYS[key]] = _PARSE[key](value)
+        except (KeyError, ValueError):
+            raise UsageError(f"mode {mode!r}: {key} must be {'0 or 1' if key == 'fold' else 'a number'}, got "
+                             f"{value!r}") from None
     return base, options
 
 

@@ -1,7 +1,7 @@
 """Saved bytes against recomputation traffic, per layer, for several ``recompute_weight`` values: the plan's own
 figures (``recompute.plan_saved``) on a litgpt model traced on the meta device, no GPU and no memory needed.
 
-    python benchmarks/recompute_tradeoff.py --model stablecode-completion-alpha-3b --block-size 8192
+    python benchmarks/recompute_tradeoff.py --model stablecode-completion-alpha-3b --block-size 8192 [--no-fold]
 
 It traces the model with 1 and with 2 layers and prints the difference (one layer's worth), then what
 ``reorder`` makes of the 2-layer pair at the default weight. On the meta device
@@ -20,18 +20,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import thunder  # noqa: E402
 import thunder.executors.sdpaex as sdpaex  # noqa: E402
 
-from thunder_fsdp_mem import models, recompute, reorder  # noqa: E402
+from thunder_fsdp_mem import casts, models, recompute, reorder  # noqa: E402
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT  # noqa: E402
 from thunder_fsdp_mem.step import estimate_traces  # noqa: E402
 
 WEIGHTS = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.2, 0.3, 1.0)
 
 
-def traces(spec: models.ModelSpec):
+def traces(spec: models.ModelSpec, fold: bool):
     model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
     jitted = thunder.jit(model)
     jitted(*models.batch(spec, device="meta")).backward()
-    return thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    pair = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    return tuple(casts.fold_casts(t, device_type="cuda") for t in pair) if fold else pair
 
 
 def figures(forward, backward, weights) -> dict:
@@ -48,11 +49,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="stablecode-completion-alpha-3b")
     p.add_argument("--block-size", type=int, default=8192)
+    p.add_argument("--no-fold", dest="fold", action="store_false",
+                   help="leave the casts as Thunder makes them (the transform folds them first, as on CUDA)")
     args = p.parse_args()
     sdpaex._fused_sdp_choice = lambda *a, **k: sdpaex.SpdaBackend.FLASH_ATTENTION
-    pairs = [traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size)) for n in (1, 2)]
+    pairs = [traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold)
+             for n in (1, 2)]
     one, two = (figures(*pair, WEIGHTS) for pair in pairs)
-    print(f"{args.model}, {args.block_size} tokens, bf16, per layer (2 layers less 1 layer)")
+    folded = "casts folded as on CUDA" if args.fold else "casts as Thunder makes them"
+    print(f"{args.model}, {args.block_size} tokens, bf16, {folded}, per layer (2 layers less 1 layer)")
     print("| recompute_weight | saved | estimated peak | recomputation traffic |\n|---|---|---|---|")
     for w in (None, *WEIGHTS):
         saved, peak, traffic = (b - a for a, b in zip(one[w], two[w]))

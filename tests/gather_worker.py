@@ -123,7 +123,8 @@ def transform_warns_and_keeps(forward, backward) -> bool:
     broken = from_trace(forward)
     broken.bound_symbols = bsyms
     future = bsyms[g.gather].flat_proxy_outs[0].name
-    transform = FSDPMemoryTransform(MemoryConfig(rematerialize=False, reorder=False, scatters=False))
+    transform = FSDPMemoryTransform(MemoryConfig(fold_casts=False, rematerialize=False, reorder=False,
+                                                 scatters=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         placeholder = transform.transform_trace_post_optimization(broken)

@@ -14,6 +14,8 @@ DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS = 2
 class MemoryConfig:
     """Options of ``FSDPMemoryTransform``.
 
+    fold_casts: run each elementwise op that Thunder brackets between an upcast to float32 and a rounding back
+        as one op in the 16-bit dtype, where ATen's kernel is known to give the same bits (``casts.py``).
     rematerialize: choose what the forward saves for backward by a minimum cut, recomputing cheap ops in
         backward (``recompute.py``).
     recompute_weight: what one byte that recomputation reads or writes costs, in bytes saved for backward. The
@@ -34,6 +36,7 @@ class MemoryConfig:
         returns the trace unchanged).
     """
 
+    fold_casts: bool = True
     rematerialize: bool = True
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
     reorder: bool = True
@@ -45,7 +48,7 @@ class MemoryConfig:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("rematerialize", "reorder", "gathers", "scatters", "strict"):
+        for name in ("fold_casts", "rematerialize", "reorder", "gathers", "scatters", "strict"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
         w = self.recompute_weight
         _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")

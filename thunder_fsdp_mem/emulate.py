@@ -11,6 +11,8 @@ memory for the model and no other ranks needed.
 - ``executors_as_on(device_type, executors)``: Thunder's torch.compile executors (``default+cat``'s rotary
   ``cat`` region) claim CUDA tensors only; for ``cuda`` they claim meta tensors too, and their regions run
   eagerly on meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the GPU).
+- ``casts.as_on(device_type)``: ``FSDPMemoryTransform`` folds casts with the tables of the device a trace runs on;
+  a meta trace folds as on ``device_type``.
 - ``trace_step(spec, ...) -> StepMemory``: builds the litgpt model on the meta device, wraps it as the mode says
   (``thunder.jit``, or Thunder's fsdp over the fake ranks), runs one forward, the eager cross-entropy and the
   backward, and returns ``estimate_step`` of it with the AdamW state the step would hold. ``mode="fsdp2"`` is
@@ -28,7 +30,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from thunder_fsdp_mem import models
+from thunder_fsdp_mem import casts, models
 
 MODES = ("fsdp2", "thunder-fsdp", "jit")
 SHARDS = ("zero2", "zero3")
@@ -143,7 +145,7 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
     transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
     chosen = runtime.executors(executors)
-    with ranks, attention_as_on(device_type), executors_as_on(device_type, chosen):
+    with ranks, attention_as_on(device_type), executors_as_on(device_type, chosen), casts.as_on(device_type):
         torch.manual_seed(0)
         with torch.device("meta"):
             from litgpt import GPT

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thunder_fsdp_mem import models, ops
+from thunder_fsdp_mem import casts, models, ops
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.step import Phase, StepMemory, loss_allocations
@@ -75,7 +75,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
     if refused:
         raise NotImplementedError(f"{spec.name}: the fsdp2 composition does not model {', '.join(refused)}")
     chosen = runtime.executors(executors)
-    with attention_as_on(device_type), executors_as_on(device_type, chosen):
+    with attention_as_on(device_type), executors_as_on(device_type, chosen), casts.as_on(device_type):
         torch.manual_seed(0)
         with torch.device("meta"):
             gpt = GPT(config)

@@ -20,7 +20,7 @@ from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 
-from thunder_fsdp_mem import checks, gathers, ops, recompute, reorder, scatters
+from thunder_fsdp_mem import casts, checks, gathers, ops, recompute, reorder, scatters
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.step import estimate_traces
 
@@ -53,9 +53,11 @@ class FSDPMemoryTransform(Transform):
         # FSDP2 through ThunderFX:
         # torch.compile(model, backend=ThunderCompiler(transforms=[FSDPMemoryTransform()]))
 
-    It chooses what the forward saves for backward (``MemoryConfig.rematerialize``, ``recompute_weight``); under
-    Thunder's fsdp it issues all-gathers in a window and, with ZeRO3, gathers parameters again in backward
-    (``gathers``, ``max_inflight_allgathers``, ``regather``), and issues each reduce-scatter as soon as its
+    It runs each 16-bit elementwise op that Thunder brackets between float32 casts as one op where ATen gives the
+    same bits (``casts``, ``MemoryConfig.fold_casts``); it chooses what the forward saves for backward
+    (``MemoryConfig.rematerialize``, ``recompute_weight``); under Thunder's fsdp it issues all-gathers in a window
+    and, with ZeRO3, gathers parameters again in backward (``gathers``, ``max_inflight_allgathers``,
+    ``regather``), and issues each reduce-scatter as soon as its
     gradient is complete (``scatters``, ``max_inflight_reduce_scatters``); it orders each trace for a lower peak
     (``reorder``). Under Thunder's fsdp, either jit first and shard after, or list it after the FSDPTransform::
 
@@ -79,7 +81,8 @@ class FSDPMemoryTransform(Transform):
         self.rewrites: list[Rewrite] = []  # a record for reports; nothing reads it back
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
-        if not (self.config.rematerialize or self.config.gathers or self.config.scatters or self.config.reorder):
+        c = self.config
+        if not (c.fold_casts or c.rematerialize or c.gathers or c.scatters or c.reorder):
             return computation_trace
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             placeholder = from_trace(computation_trace)
@@ -106,6 +109,8 @@ class FSDPMemoryTransform(Transform):
         """The passes the configuration asks for, each checked and kept only if the estimated peak does not
         rise."""
         estimate = None  # of the pair as it stands, where a pass has it
+        if self.config.fold_casts:
+            forward, backward = self._fold_casts(forward, backward)
         if self.config.rematerialize:
             forward, backward, estimate = self._rematerialize(forward, backward)
         if self.config.reorder:
@@ -122,6 +127,22 @@ class FSDPMemoryTransform(Transform):
             except scatters.ScatterError as e:
                 self._warn(f"reduce-scatters left as they were: {e}")
         return forward, backward
+
+    def _fold_casts(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+        """Each trace with its upcast-op-round brackets folded (``casts``): it computes the same bits and holds
+        less, and is kept only if the estimated peak does not rise."""
+        new_forward, new_backward = casts.fold_casts(forward), casts.fold_casts(backward)
+        if new_forward is forward and new_backward is backward:
+            return forward, backward
+        checks.check_rewrite(forward, new_forward)
+        checks.check_rewrite(backward, new_backward)
+        before = estimate_traces(forward, backward).peak_bytes
+        after = estimate_traces(new_forward, new_backward).peak_bytes
+        if after > before:
+            log.info("FSDPMemoryTransform: folded casts kept out, they would raise the peak from %d to %d bytes",
+                     before, after)
+            return forward, backward
+        return new_forward, new_backward
 
     def _rematerialize(self, forward: TraceCtx, backward: TraceCtx):
         """The pair rewritten by ``recompute``, or as it came; with the estimate of what it returns (None when

@@ -1,0 +1,122 @@
+"""casts: the CPU tables checked against ATen on every 16-bit value, and folded traces that compute the bits the
+traces they came from compute, with fewer casts and less memory."""
+
+import dataclasses
+
+import pytest
+import thunder
+import torch
+from thunder.core.pytree import tree_flatten
+
+from configs import BY_NAME
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, casts, models, ops
+from thunder_fsdp_mem.step import estimate_traces
+
+TORCH_OPS = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "expm1": torch.expm1, "log": torch.log,
+    "log1p": torch.log1p, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin, "sqrt": torch.sqrt, "erf": torch.erf,
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "true_divide": torch.true_divide,
+    "torch_div_prim_impl": torch.true_divide, "maximum": torch.maximum, "minimum": torch.minimum,
+}
+BINARY = ("add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", "minimum")
+INEXACT = (1.4142135623730951, 0.42044820762685725, 1e-05)
+
+
+def _every_value(dtype):
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _differ(got, want) -> int:
+    return int(((got.view(torch.int16) != want.view(torch.int16)) & ~(torch.isnan(got) & torch.isnan(want))).sum())
+
+
+@pytest.mark.parametrize("low, dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_the_cpu_tables_hold_for_every_value(low, dtype):
+    # What the table lets fold computes the same bits in 16 bits as upcast, op, round; what it leaves out does not.
+    x = _every_value(dtype)
+    pairs = x[torch.randint(0, x.numel(), (2, 1 << 20), generator=torch.Generator().manual_seed(0))]
+    for name, f in TORCH_OPS.items():
+        if name in BINARY:
+            wrong = _differ(f(pairs[0], pairs[1]), f(pairs[0].float(), pairs[1].float()).to(dtype))
+        else:
+            wrong = _differ(f(x), f(x.float()).to(dtype))
+        assert (wrong == 0) == (name in casts.FOLDABLE["cpu"][low]), (name, wrong)
+    for name in ("add", "sub", "mul", "true_divide"):
+        for position in (0, 1):
+            def f(v, n):
+                return TORCH_OPS[name](*((n, v) if position == 0 else (v, n)))
+            wrong = sum(_differ(f(x, n), f(x.float(), n).to(dtype)) for n in INEXACT)
+            assert (wrong == 0) == ((name, position) in casts.INEXACT_NUMBER["cpu"]), (name, position, wrong)
+            assert sum(_differ(f(x, n), f(x.float(), n).to(dtype)) for n in (0.5, -2.0)) == 0
+
+
+def _gelu_product(x):
+    return torch.nn.functional.gelu(x) * x  # Thunder: div by sqrt(2), erf, mul by 0.5, add 0.5, mul, mul
+
+
+def _forward(f, x):
+    """Thunder's forward trace of ``f`` (decomposed for autodiff: each bf16 op between casts)."""
+    jitted = thunder.jit(f)
+    jitted(x.requires_grad_())
+    return thunder.last_traces(jitted)[-1]
+
+
+def _casts(trace) -> int:
+    return sum(ops.sym_id(b) == "to" for b in trace.bound_symbols)
+
+
+def _same_bits(trace, folded, x) -> bool:
+    want, got = tree_flatten(trace.python_callable()(x))[0], tree_flatten(folded.python_callable()(x))[0]
+    return len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_gelu_chain_runs_in_bf16_with_the_same_bits():
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    trace = _forward(_gelu_product, x)
+    folded = casts.fold_casts(trace)
+    # 14 casts: 6 ops, each between upcasts and a rounding. On CPU erf keeps its 2; the other 4 upcasts the
+    # forward saves for backward stay (they are outputs of the trace); the other 8 casts go.
+    assert _casts(trace) == 14 and _casts(folded) == 6
+    assert _same_bits(trace, folded, x)  # the output and every tensor saved for backward
+    assert estimate_traces(folded).peak_bytes < estimate_traces(trace).peak_bytes  # no float32 temporaries
+    # On CUDA erf folds too, its saved upcast stays (not run here: the tensors are on the CPU).
+    assert _casts(casts.fold_casts(trace, device_type="cuda")) == 5
+    assert casts.fold_casts(folded) is folded  # nothing left to fold
+
+
+def test_meta_traces_fold_as_on_says():
+    trace = _forward(_gelu_product, torch.randn(64, 256, device="meta").to(torch.bfloat16))
+    assert casts.fold_casts(trace) is trace  # a meta trace runs nowhere: no table
+    with casts.as_on("cpu"):
+        assert _casts(casts.fold_casts(trace)) == 6
+    with casts.as_on("cuda"):
+        assert _casts(casts.fold_casts(trace)) == 5
+
+
+def test_an_inexact_number_first_in_a_product_is_left_between_casts_on_cpu():
+    # torch.mul(0.42, x) on CPU rounds 0.42 to bf16 first (with it folded, the gradients of litgpt's attention
+    # differed); torch.mul(x, 0.42) does not.
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    for f, folds in ((lambda v: 0.42044820762685725 * v.exp(), False), (lambda v: v.exp() * 0.42044820762685725, True),
+                     (lambda v: 0.5 * v.exp(), True)):
+        trace = _forward(f, x)
+        folded = casts.fold_casts(trace)
+        assert (_casts(folded) < _casts(trace)) == folds
+        assert _same_bits(trace, folded, x)
+
+
+def test_the_transform_folds_and_keeps_every_bit():
+    spec = dataclasses.replace(BY_NAME["neox"], n_layers=1)
+    results = []
+    for config in (None, MemoryConfig(fold_casts=True, rematerialize=False, reorder=False, strict=True)):
+        model = models.build(spec, dtype=torch.bfloat16)
+        jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])
+        loss = jitted(*models.batch(spec))
+        loss.backward()
+        traces = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+        results.append((loss.detach(), [p.grad for p in jitted.parameters()], [_casts(t) for t in traces]))
+    (loss, grads, before), (loss_f, grads_f, after) = results
+    assert torch.equal(loss, loss_f)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_f, strict=True))
+    assert after[0] < before[0] and after[1] < before[1], (before, after)

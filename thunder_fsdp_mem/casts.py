@@ -1,0 +1,167 @@
+"""Run an elementwise op in the 16-bit dtype that Thunder brackets between casts: the same bits, less traffic.
+
+``fold_casts(trace, device_type=None) -> TraceCtx``. Without nvFuser, Thunder's torch executor runs each bf16
+(or f16) elementwise op of a decomposed chain as three kernels: an upcast of each operand to float32, the op in
+float32, and a rounding of the result back::
+
+    t1 = Tensor.to(x, torch.float32, copy=True)
+    t2 = torch.erf(t1)
+    y = Tensor.to(t2, torch.bfloat16, copy=True)      # becomes   y = torch.erf(x)
+
+ATen's kernel for the op on bf16 computes the same thing in one: it widens each operand to float32, runs the
+float32 op and rounds the result to nearest even. That is a fact about ATen's kernels, not a rule, so it is
+checked op by op: ``benchmarks/cast_check.py`` compares both forms on every bf16 and f16 value (unary ops, ops
+with a number) and on every pair of values (binary ops, CUDA) or 4 million pairs (binary ops, CPU). The tables
+below hold what passed, per device type (torch 2.11 on an H200 and on CPU: ``docs/data/cast-check-*.txt``; the
+CPU tables are checked again by ``tests/test_casts.py``). ``pow`` differs on both; on CPU, ``erf``, and f16
+``sqrt`` and ``sin``, differ. A number operand that is not exact in the 16-bit dtype is at times rounded to it
+first: as the dividend of a division on both, and on CPU as either operand of an add or a subtraction and the
+first of a product.
+
+A bracket is folded only when the float32 result has no other use (nor is a trace output) and every tensor
+operand is an upcast from the same 16-bit dtype; an upcast left without a use is dropped. An element then costs
+4 bytes of traffic instead of 20 (a unary op), and the float32 temporaries are never allocated. The pass is
+pure; ``del``s are placed again at last use. Traces made on the meta device fold as on the device type set by
+``as_on`` (the report's prediction), and not at all outside it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+
+from thunder_fsdp_mem import ops
+
+_UNARY = frozenset({"neg", "abs", "exp", "expm1", "log", "log1p", "tanh", "sigmoid", "rsqrt", "reciprocal", "cos"})
+_BINARY = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", "minimum"})
+# device type -> 16-bit dtype -> ops whose 16-bit kernel computes what upcast, op, round computes
+FOLDABLE: dict[str, dict[str, frozenset[str]]] = {
+    "cuda": {"bf16": _UNARY | _BINARY | {"erf", "sqrt", "sin"}, "f16": _UNARY | _BINARY | {"erf", "sqrt", "sin"}},
+    "cpu": {"bf16": _UNARY | _BINARY | {"sqrt", "sin"}, "f16": _UNARY | _BINARY},
+}
+# A number operand: any number exact in the 16-bit dtype, with the ops below. One that is not exact there only at
+# these (op, position) pairs; elsewhere the 16-bit kernel rounds it to the 16-bit dtype first.
+_WITH_NUMBER = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl"})
+_DIVISOR = frozenset({("true_divide", 1), ("torch_div_prim_impl", 1)})
+INEXACT_NUMBER: dict[str, frozenset[tuple[str, int]]] = {
+    "cuda": _DIVISOR | {(op, i) for op in ("add", "sub", "mul") for i in (0, 1)},
+    "cpu": _DIVISOR | {("mul", 1)},
+}
+_LOW = {"bf16": torch.bfloat16, "f16": torch.float16}
+_CASTS = frozenset({"to", "convert_element_type"})
+
+_as_on: ContextVar[str | None] = ContextVar("thunder_fsdp_mem.casts.as_on", default=None)
+
+
+@contextmanager
+def as_on(device_type: str) -> Iterator[None]:
+    """Within it, traces made on the meta device fold as they would on ``device_type``."""
+    token = _as_on.set(device_type)
+    try:
+        yield
+    finally:
+        _as_on.reset(token)
+
+
+def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
+    """``trace`` with each foldable upcast-op-round bracket run as one op in the 16-bit dtype (see the module's
+    docstring); ``trace`` itself when there is none. ``device_type``: the device the trace runs on (None: its
+    tensors' own, the meta device as ``as_on`` says)."""
+    bsyms = [b for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
+    producer = {o.name: i for i, b in enumerate(bsyms) for o in ops.tensor_outputs(b)}
+    uses = Counter(name for b in bsyms for name in ops.proxy_names(b.args) + ops.proxy_names(b.kwargs))
+    replaced: dict[int, object] = {}  # index of the op -> the op on 16-bit operands; the rounding's index -> None
+    upcasts: set[int] = set()
+    for i, rounding in enumerate(bsyms):
+        low = _rounding(rounding)
+        if low is None:
+            continue
+        wide = rounding.args[0]
+        j = producer.get(wide.name)
+        if j is None or uses[wide.name] != 1 or j in replaced:
+            continue
+        folded = _folded(bsyms, producer, bsyms[j], low, rounding.output, device_type)
+        if folded is None:
+            continue
+        new_op, from_upcasts = folded
+        replaced[j], replaced[i] = new_op, None
+        for k in from_upcasts:
+            uses[bsyms[k].output.name] -= 1
+            upcasts.add(k)
+    if not replaced:
+        return trace
+    dead = {k for k in upcasts if uses[bsyms[k].output.name] == 0}
+    new = from_trace(trace)
+    new.bound_symbols = [replaced.get(i, b) for i, b in enumerate(bsyms) if i not in dead and replaced.get(i, b)]
+    new = ops.dels_at_last_use(new)
+    new.set_provenance(TraceProvenance(f"fold_casts: {len(replaced) // 2} ops run in 16 bits"))
+    return new
+
+
+def _rounding(bsym) -> str | None:
+    """The 16-bit dtype's short name if ``bsym`` rounds a float32 tensor to bf16 or f16, else None."""
+    cast = _cast(bsym)
+    if cast is None or ops.dtype_name(cast[0]) != "f32":
+        return None
+    low = ops.dtype_name(cast[1])
+    return low if low in _LOW else None
+
+
+def _cast(bsym) -> tuple[TensorProxy, TensorProxy] | None:
+    """(operand, result) of a cast that changes only the dtype, else None."""
+    if ops.sym_id(bsym) not in _CASTS or len(bsym.args) != 2 or set(bsym.kwargs) - {"copy"}:
+        return None
+    operand, out = bsym.args[0], bsym.output
+    if not (isinstance(operand, TensorProxy) and isinstance(out, TensorProxy)):
+        return None
+    if ops.shape(operand) != ops.shape(out) or operand.device != out.device:
+        return None
+    return operand, out
+
+
+def _folded(bsyms, producer, op, low: str, out: TensorProxy, device_type: str | None):
+    """(the op bound to the 16-bit operands with ``out`` as its output, the indices of the upcasts it no longer
+    reads), or None where the bracket cannot be folded."""
+    sid = ops.sym_id(op)
+    on = device_type or _device_type(out)
+    if sid not in FOLDABLE.get(on, {}).get(low, ()) or set(op.kwargs) - {"alpha"} or op.kwargs.get("alpha", 1) != 1:
+        return None
+    if len(ops.tensor_outputs(op)) != 1 or ops.shape(op.output) != ops.shape(out):
+        return None
+    args, from_upcasts = [], []
+    for position, a in enumerate(op.args):
+        if isinstance(a, TensorProxy):
+            k = producer.get(a.name)
+            cast = _cast(bsyms[k]) if k is not None else None
+            if cast is None or ops.dtype_name(cast[0]) != low or ops.dtype_name(cast[1]) != "f32":
+                return None
+            args.append(cast[0])
+            from_upcasts.append(k)
+        elif _number(a) and sid in _WITH_NUMBER and (
+                _exact(a, _LOW[low]) or (sid, position) in INEXACT_NUMBER[on]):
+            args.append(a)
+        else:
+            return None
+    if not from_upcasts:
+        return None
+    return op.from_bsym(args=tuple(args), output=out, subsymbols=[]), from_upcasts
+
+
+def _device_type(t: TensorProxy) -> str | None:
+    on = t.device.type
+    return _as_on.get() if on == "meta" else on
+
+
+def _number(a) -> bool:
+    return isinstance(a, int | float) and not isinstance(a, bool)
+
+
+def _exact(number: float, dtype: torch.dtype) -> bool:
+    return float(torch.tensor(number, dtype=torch.float64).to(dtype).double()) == number
