@@ -5,9 +5,10 @@ Thunder calls ``transform_trace_post_optimization`` on a forward execution trace
 backward (under ``thunder.jit``, Thunder's ``fsdp`` and each ThunderFX subgraph alike). What the forward saves can
 only be chosen with both in hand, so the forward call returns a trace of its own whose symbols the backward call
 fills in, before Thunder turns either into Python. Every rewrite passes ``checks.check_rewrite`` and is kept only
-if ``step.estimate_traces``, the estimator of the whole step, says its peak did not rise: rematerialization
-(``recompute.py``) first, then the order of each trace (``reorder.py``), then the all-gather schedule under
-Thunder's fsdp (``gathers.py``).
+if ``step.estimate_traces``, the estimator of the whole step, says its peak did not rise: folded casts
+(``casts.py``) first, then rematerialization (``recompute.py``) and folded casts again (the brackets of upcasts
+the forward no longer saves, which the backward now recomputes), then the order of each trace (``reorder.py``),
+then the all-gather schedule under Thunder's fsdp (``gathers.py``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ class FSDPMemoryTransform(Transform):
         if self.config.fold_casts:
             forward, backward = self._fold_casts(forward, backward)
         if self.config.rematerialize:
+            received = backward
             forward, backward, estimate = self._rematerialize(forward, backward)
+            if self.config.fold_casts and backward is not received:  # the brackets the backward now recomputes
+                new_forward, new_backward = self._fold_casts(forward, backward)
+                if new_forward is not forward or new_backward is not backward:
+                    forward, backward, estimate = new_forward, new_backward, None
         if self.config.reorder:
             forward, backward = self._reorder(forward, backward, estimate)
         # Last: the memory-only judge of the reordering would move all-gathers next to their waits.
@@ -142,6 +148,10 @@ class FSDPMemoryTransform(Transform):
             log.info("FSDPMemoryTransform: folded casts kept out, they would raise the peak from %d to %d bytes",
                      before, after)
             return forward, backward
+        if new_forward is not forward:  # what an earlier pass said of the forward stays on its provenance line
+            earlier = forward.get_provenance()
+            if earlier is not None and earlier.pss.startswith("FSDPMemoryTransform"):
+                new_forward.set_provenance(TraceProvenance(f"{earlier.pss}; {new_forward.get_provenance().pss}"))
         return new_forward, new_backward
 
     def _rematerialize(self, forward: TraceCtx, backward: TraceCtx):
