@@ -55,6 +55,8 @@ def test_is_a_thunder_transform_with_a_validated_config():
         MemoryConfig(rematerialize=1)
     with pytest.raises(ValueError, match="MemoryConfig.reorder must be a bool.*'no'"):
         MemoryConfig(reorder="no")
+    with pytest.raises(ValueError, match="MemoryConfig.fold_casts must be a bool.*None"):
+        MemoryConfig(fold_casts=None)
     for bad in (-0.5, float("nan"), float("inf"), True, "0.1"):
         with pytest.raises(ValueError, match=r"MemoryConfig.recompute_weight must be a finite number >= 0, got"):
             MemoryConfig(recompute_weight=bad)
