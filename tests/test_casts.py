@@ -2,6 +2,7 @@
 traces they came from compute, with fewer casts and less memory."""
 
 import dataclasses
+import sys
 
 import pytest
 import thunder
@@ -9,8 +10,12 @@ import torch
 from thunder.core.pytree import tree_flatten
 
 from configs import BY_NAME
+from support import ROOT
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, casts, models, ops
 from thunder_fsdp_mem.step import estimate_traces
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cast_check import differ, every_value  # noqa: E402
 
 TORCH_OPS = {
     "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "expm1": torch.expm1, "log": torch.log,
@@ -23,32 +28,24 @@ BINARY = ("add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", 
 INEXACT = (1.4142135623730951, 0.42044820762685725, 1e-05)
 
 
-def _every_value(dtype):
-    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
-
-
-def _differ(got, want) -> int:
-    return int(((got.view(torch.int16) != want.view(torch.int16)) & ~(torch.isnan(got) & torch.isnan(want))).sum())
-
-
 @pytest.mark.parametrize("low, dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
 def test_the_cpu_tables_hold_for_every_value(low, dtype):
     # What the table lets fold computes the same bits in 16 bits as upcast, op, round; what it leaves out does not.
-    x = _every_value(dtype)
+    x = every_value(dtype, "cpu")
     pairs = x[torch.randint(0, x.numel(), (2, 1 << 20), generator=torch.Generator().manual_seed(0))]
     for name, f in TORCH_OPS.items():
         if name in BINARY:
-            wrong = _differ(f(pairs[0], pairs[1]), f(pairs[0].float(), pairs[1].float()).to(dtype))
+            wrong = differ(f(pairs[0], pairs[1]), f(pairs[0].float(), pairs[1].float()).to(dtype))
         else:
-            wrong = _differ(f(x), f(x.float()).to(dtype))
+            wrong = differ(f(x), f(x.float()).to(dtype))
         assert (wrong == 0) == (name in casts.FOLDABLE["cpu"][low]), (name, wrong)
     for name in ("add", "sub", "mul", "true_divide"):
         for position in (0, 1):
             def f(v, n):
                 return TORCH_OPS[name](*((n, v) if position == 0 else (v, n)))
-            wrong = sum(_differ(f(x, n), f(x.float(), n).to(dtype)) for n in INEXACT)
+            wrong = sum(differ(f(x, n), f(x.float(), n).to(dtype)) for n in INEXACT)
             assert (wrong == 0) == ((name, position) in casts.INEXACT_NUMBER["cpu"]), (name, position, wrong)
-            assert sum(_differ(f(x, n), f(x.float(), n).to(dtype)) for n in (0.5, -2.0)) == 0
+            assert sum(differ(f(x, n), f(x.float(), n).to(dtype)) for n in (0.5, -2.0)) == 0
 
 
 def _gelu_product(x):

@@ -77,7 +77,8 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     bsyms = [b for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
     producer = {o.name: i for i, b in enumerate(bsyms) for o in ops.tensor_outputs(b)}
     uses = Counter(name for b in bsyms for name in ops.proxy_names(b.args) + ops.proxy_names(b.kwargs))
-    replaced: dict[int, object] = {}  # index of the op -> the op on 16-bit operands; the rounding's index -> None
+    folded: dict[int, object] = {}  # index of an op -> the op on 16-bit operands
+    dropped: set[int] = set()  # the roundings of the folded ops, then the upcasts left without a use
     upcasts: set[int] = set()
     for i, rounding in enumerate(bsyms):
         low = _rounding(rounding)
@@ -85,23 +86,23 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
             continue
         wide = rounding.args[0]
         j = producer.get(wide.name)
-        if j is None or uses[wide.name] != 1 or j in replaced:
+        if j is None or uses[wide.name] != 1:
             continue
-        folded = _folded(bsyms, producer, bsyms[j], low, rounding.output, device_type)
-        if folded is None:
+        found = _folded(bsyms, producer, bsyms[j], low, rounding.output, device_type)
+        if found is None:
             continue
-        new_op, from_upcasts = folded
-        replaced[j], replaced[i] = new_op, None
+        folded[j], from_upcasts = found
+        dropped.add(i)
         for k in from_upcasts:
             uses[bsyms[k].output.name] -= 1
             upcasts.add(k)
-    if not replaced:
+    if not folded:
         return trace
-    dead = {k for k in upcasts if uses[bsyms[k].output.name] == 0}
+    dropped |= {k for k in upcasts if uses[bsyms[k].output.name] == 0}
     new = from_trace(trace)
-    new.bound_symbols = [replaced.get(i, b) for i, b in enumerate(bsyms) if i not in dead and replaced.get(i, b)]
+    new.bound_symbols = [folded.get(i, b) for i, b in enumerate(bsyms) if i not in dropped]
     new = ops.dels_at_last_use(new)
-    new.set_provenance(TraceProvenance(f"fold_casts: {len(replaced) // 2} ops run in 16 bits"))
+    new.set_provenance(TraceProvenance(f"fold_casts: {len(folded)} ops run in 16 bits"))
     return new
 
 

@@ -13,6 +13,7 @@ memory for the model and no other ranks needed.
   eagerly on meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the GPU).
 - ``casts.as_on(device_type)``: ``FSDPMemoryTransform`` folds casts with the tables of the device a trace runs on;
   a meta trace folds as on ``device_type``.
+- ``as_on(device_type, executors)``: the three above at once.
 - ``trace_step(spec, ...) -> StepMemory``: builds the litgpt model on the meta device, wraps it as the mode says
   (``thunder.jit``, or Thunder's fsdp over the fake ranks), runs one forward, the eager cross-entropy and the
   backward, and returns ``estimate_step`` of it with the AdamW state the step would hold. ``mode="fsdp2"`` is
@@ -119,6 +120,14 @@ def attention_as_on(device_type: str) -> Iterator[None]:
         sdpaex._fused_sdp_choice = original
 
 
+@contextmanager
+def as_on(device_type: str, executors: list) -> Iterator[None]:
+    """Within it, a trace made on the meta device is what it would be on ``device_type``: attention's kernel,
+    the torch.compile executors' claims and the casts ``FSDPMemoryTransform`` folds."""
+    with attention_as_on(device_type), executors_as_on(device_type, executors), casts.as_on(device_type):
+        yield
+
+
 def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None = None, world_size: int = 1,
                device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
                executors: str = "default+cat", memory=None):
@@ -145,7 +154,7 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
     transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
     chosen = runtime.executors(executors)
-    with ranks, attention_as_on(device_type), executors_as_on(device_type, chosen), casts.as_on(device_type):
+    with ranks, as_on(device_type, chosen):
         torch.manual_seed(0)
         with torch.device("meta"):
             from litgpt import GPT

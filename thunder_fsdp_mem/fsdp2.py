@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thunder_fsdp_mem import casts, models, ops
+from thunder_fsdp_mem import models, ops
 from thunder_fsdp_mem.categories import Category
 from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.step import Phase, StepMemory, loss_allocations
@@ -64,7 +64,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
     from litgpt import GPT
 
     from thunder_fsdp_mem import runtime
-    from thunder_fsdp_mem.emulate import attention_as_on, executors_as_on
+    from thunder_fsdp_mem.emulate import as_on
 
     if shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
@@ -75,7 +75,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
     if refused:
         raise NotImplementedError(f"{spec.name}: the fsdp2 composition does not model {', '.join(refused)}")
     chosen = runtime.executors(executors)
-    with attention_as_on(device_type), executors_as_on(device_type, chosen), casts.as_on(device_type):
+    with as_on(device_type, chosen):
         torch.manual_seed(0)
         with torch.device("meta"):
             gpt = GPT(config)

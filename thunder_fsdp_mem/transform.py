@@ -111,14 +111,12 @@ class FSDPMemoryTransform(Transform):
         rise."""
         estimate = None  # of the pair as it stands, where a pass has it
         if self.config.fold_casts:
-            forward, backward = self._fold_casts(forward, backward)
+            forward, backward, estimate = self._fold_casts(forward, backward, estimate)
         if self.config.rematerialize:
             received = backward
-            forward, backward, estimate = self._rematerialize(forward, backward)
+            forward, backward, estimate = self._rematerialize(forward, backward, estimate)
             if self.config.fold_casts and backward is not received:  # the brackets the backward now recomputes
-                new_forward, new_backward = self._fold_casts(forward, backward)
-                if new_forward is not forward or new_backward is not backward:
-                    forward, backward, estimate = new_forward, new_backward, None
+                forward, backward, estimate = self._fold_casts(forward, backward, estimate)
         if self.config.reorder:
             forward, backward = self._reorder(forward, backward, estimate)
         # Last: the memory-only judge of the reordering would move all-gathers next to their waits.
@@ -134,38 +132,39 @@ class FSDPMemoryTransform(Transform):
                 self._warn(f"reduce-scatters left as they were: {e}")
         return forward, backward
 
-    def _fold_casts(self, forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]:
+    def _fold_casts(self, forward: TraceCtx, backward: TraceCtx, estimate):
         """Each trace with its upcast-op-round brackets folded (``casts``): it computes the same bits and holds
-        less, and is kept only if the estimated peak does not rise."""
+        less, and is kept only if the estimated peak does not rise. ``estimate``: the pair's, or None; returned
+        with the estimate of what it returns (None when nothing was estimated)."""
         new_forward, new_backward = casts.fold_casts(forward), casts.fold_casts(backward)
         if new_forward is forward and new_backward is backward:
-            return forward, backward
+            return forward, backward, estimate
         checks.check_rewrite(forward, new_forward)
         checks.check_rewrite(backward, new_backward)
-        before = estimate_traces(forward, backward).peak_bytes
-        after = estimate_traces(new_forward, new_backward).peak_bytes
-        if after > before:
+        before = estimate if estimate is not None else estimate_traces(forward, backward)
+        after = estimate_traces(new_forward, new_backward)
+        if after.peak_bytes > before.peak_bytes:
             log.info("FSDPMemoryTransform: folded casts kept out, they would raise the peak from %d to %d bytes",
-                     before, after)
-            return forward, backward
+                     before.peak_bytes, after.peak_bytes)
+            return forward, backward, before
         if new_forward is not forward:  # what an earlier pass said of the forward stays on its provenance line
             earlier = forward.get_provenance()
             if earlier is not None and earlier.pss.startswith("FSDPMemoryTransform"):
                 new_forward.set_provenance(TraceProvenance(f"{earlier.pss}; {new_forward.get_provenance().pss}"))
-        return new_forward, new_backward
+        return new_forward, new_backward, after
 
-    def _rematerialize(self, forward: TraceCtx, backward: TraceCtx):
+    def _rematerialize(self, forward: TraceCtx, backward: TraceCtx, estimate):
         """The pair rewritten by ``recompute``, or as it came; with the estimate of what it returns (None when
-        nothing was estimated)."""
+        nothing was estimated). ``estimate``: the pair's, or None."""
         if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
             raise recompute.PlanError("the backward does not receive what the forward saves")
         plan = recompute.plan_saved(forward, recompute_weight=self.config.recompute_weight)
         if not plan.changes:
-            return forward, backward, None
+            return forward, backward, estimate
         new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
         checks.check_rewrite(forward, new_forward, ignore_saved=True)
         checks.check_rewrite(backward, new_backward)
-        before = estimate_traces(forward, backward)
+        before = estimate if estimate is not None else estimate_traces(forward, backward)
         after = estimate_traces(new_forward, new_backward)
         self.rewrites.append(Rewrite(plan.before_bytes, plan.after_bytes, plan.traffic_bytes, before.peak_bytes,
                                      after.peak_bytes, kept=after.peak_bytes <= before.peak_bytes))
