@@ -3,7 +3,9 @@ device (no memory, no compute: Thunder runs every op for its shapes only).
 
     python benchmarks/transform_speed.py --model stablecode-completion-alpha-3b --n-layers 32 --block-size 8192
 
-Prints Thunder's compile time of the first call without the transform, with it, the transform's own time (the
+The traces are those the GPU runs (``--device-type cuda``, the benchmark's executors): attention's kernel, the
+torch.compile executors' claims and the casts the transform folds are CUDA's (``emulate.as_on``). Prints
+Thunder's compile time of the first call without the transform, with it, the transform's own time (the
 forward/backward pair, from the moment it has both traces), and what it saved.
 """
 
@@ -18,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import thunder  # noqa: E402
 
-from thunder_fsdp_mem import models  # noqa: E402
+from thunder_fsdp_mem import emulate, models, runtime  # noqa: E402
 from thunder_fsdp_mem.transform import FSDPMemoryTransform  # noqa: E402
 
 
@@ -33,13 +35,16 @@ class _Timed(FSDPMemoryTransform):
             self.seconds += time.perf_counter() - start
 
 
-def compile_seconds(spec: models.ModelSpec, transforms: list) -> tuple[float, object]:
-    model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
-    idx, targets = models.batch(spec, device="meta")
-    jitted = thunder.jit(model, transforms=transforms)
-    start = time.perf_counter()
-    jitted(idx, targets).backward()
-    return time.perf_counter() - start, jitted
+def compile_seconds(spec: models.ModelSpec, transforms: list, device_type: str, executors: str
+                    ) -> tuple[float, object]:
+    chosen = runtime.executors(executors)
+    with emulate.as_on(device_type, chosen):
+        model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
+        idx, targets = models.batch(spec, device="meta")
+        jitted = thunder.jit(model, executors=chosen, transforms=transforms)
+        start = time.perf_counter()
+        jitted(idx, targets).backward()
+        return time.perf_counter() - start, jitted
 
 
 def main() -> int:
@@ -47,12 +52,15 @@ def main() -> int:
     p.add_argument("--model", default="stablecode-completion-alpha-3b")
     p.add_argument("--n-layers", type=int, default=32)
     p.add_argument("--block-size", type=int, default=8192)
+    p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda", help="the device the traces are for")
+    p.add_argument("--executors", choices=("default", "default+cat"), default="default+cat")
     args = p.parse_args()
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    plain, _ = compile_seconds(spec, [])
+    plain, _ = compile_seconds(spec, [], args.device_type, args.executors)
     timed = _Timed(strict=True)
-    with_it, jitted = compile_seconds(spec, [timed])
-    print(f"{args.model}, {args.n_layers} layers, {args.block_size} tokens, thunder.jit on meta")
+    with_it, jitted = compile_seconds(spec, [timed], args.device_type, args.executors)
+    print(f"{args.model}, {args.n_layers} layers, {args.block_size} tokens, thunder.jit on meta as on "
+          f"{args.device_type}, executors {args.executors}")
     print(f"Thunder compile, first call: {plain:.1f} s without the transform, {with_it:.1f} s with it")
     print(f"transform: {timed.seconds:.2f} s = {100 * timed.seconds / plain:.2f}% of Thunder's compile time")
     print(thunder.last_traces(jitted)[-1].get_provenance())

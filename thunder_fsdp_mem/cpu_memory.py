@@ -19,6 +19,12 @@ address) or never (pythia-14m under FSDP2 or Thunder's fsdp on gloo: a gathered 
 input, in about 1 of 6 profiled steps per rank on one shared core). That only ever adds memory, so a measurement
 takes the least peak of ``REPEATS`` steps.
 
+oneDNN is off inside the context. Where the CPU has bf16 instructions (avx512_bf16, AMX), a bf16 matmul runs on
+oneDNN, which takes a scratchpad from torch's allocator for each call: tens to hundreds of KiB at pythia-14m's
+sizes, set by the CPU model, not by the program (on an AMD EPYC with avx512_bf16, 39 of the 1608 probes of
+``tests/test_measure.py``'s one-process step saw 34 to 297 KiB more than the prediction, all at matmuls; with
+oneDNN off, none). The traces and their tensors are the same either way.
+
 ``CPUMemory(held)`` is a context manager: inside it, ``mark(label)`` notes a point of the program; afterwards
 ``peak_bytes`` is the peak of the live bytes over the context, and ``marks()`` gives, per mark, the live bytes
 there and the peak since the previous mark (or the start).
@@ -79,6 +85,7 @@ class CPUMemory:
     def __init__(self, *held):
         self._held = held
         self._profile = None
+        self._onednn = None
         self._events: list[tuple[int, int, str | None]] = []  # (time, running total, mark label or None)
         self.baseline_bytes = 0
 
@@ -88,14 +95,19 @@ class CPUMemory:
         # Kineto looks for GPUs and prints an error line on a machine without them; its errors are of no use here.
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.baseline_bytes = held_bytes(*self._held)
+        self._onednn = torch.backends.mkldnn.flags(enabled=False)  # see the module's docstring
+        self._onednn.__enter__()
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True)
         self._profile.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._profile.__exit__(*exc)
-        self._events = _events(self._profile)
-        self._profile = None
+        try:
+            self._profile.__exit__(*exc)
+            self._events = _events(self._profile)
+        finally:
+            self._onednn.__exit__(*exc)
+            self._profile = self._onednn = None
 
     @staticmethod
     def mark(label: str) -> None:

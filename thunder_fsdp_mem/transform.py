@@ -142,7 +142,7 @@ class FSDPMemoryTransform(Transform):
         checks.check_rewrite(forward, new_forward)
         checks.check_rewrite(backward, new_backward)
         before = estimate if estimate is not None else estimate_traces(forward, backward)
-        after = estimate_traces(new_forward, new_backward)
+        after = estimate_traces(new_forward, new_backward, reuse=before if new_forward is forward else None)
         if after.peak_bytes > before.peak_bytes:
             log.info("FSDPMemoryTransform: folded casts kept out, they would raise the peak from %d to %d bytes",
                      before.peak_bytes, after.peak_bytes)
