@@ -141,8 +141,7 @@ class FSDPMemoryTransform(Transform):
             return forward, backward, estimate
         checks.check_rewrite(forward, new_forward)
         checks.check_rewrite(backward, new_backward)
-        before = estimate if estimate is not None else estimate_traces(forward, backward)
-        after = estimate_traces(new_forward, new_backward, reuse=before if new_forward is forward else None)
+        before, after = _estimates(forward, backward, new_forward, new_backward, estimate)
         if after.peak_bytes > before.peak_bytes:
             log.info("FSDPMemoryTransform: folded casts kept out, they would raise the peak from %d to %d bytes",
                      before.peak_bytes, after.peak_bytes)
@@ -164,8 +163,7 @@ class FSDPMemoryTransform(Transform):
         new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
         checks.check_rewrite(forward, new_forward, ignore_saved=True)
         checks.check_rewrite(backward, new_backward)
-        before = estimate if estimate is not None else estimate_traces(forward, backward)
-        after = estimate_traces(new_forward, new_backward)
+        before, after = _estimates(forward, backward, new_forward, new_backward, estimate)
         self.rewrites.append(Rewrite(plan.before_bytes, plan.after_bytes, plan.traffic_bytes, before.peak_bytes,
                                      after.peak_bytes, kept=after.peak_bytes <= before.peak_bytes))
         if after.peak_bytes > before.peak_bytes:
@@ -249,3 +247,9 @@ class FSDPMemoryTransform(Transform):
     def __repr__(self) -> str:
         return f"FSDPMemoryTransform({self.config})"
 
+
+def _estimates(forward: TraceCtx, backward: TraceCtx, new_forward: TraceCtx, new_backward: TraceCtx, estimate):
+    """The estimates that judge a rewrite: of the pair before it (``estimate`` where the caller has it) and after
+    it; a rewrite that left the forward as it was reuses the forward's analysis."""
+    before = estimate if estimate is not None else estimate_traces(forward, backward)
+    return before, estimate_traces(new_forward, new_backward, reuse=before if new_forward is forward else None)
