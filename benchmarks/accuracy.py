@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from thunder_fsdp_mem import runtime  # noqa: E402
+from thunder_fsdp_mem.training import runtime  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +62,8 @@ def run_one(args) -> dict:
     import torch
     from thunder.examine.memory_calculation import get_alloc_memory
 
-    from thunder_fsdp_mem import estimate_step, models
+    from thunder_fsdp_mem import estimate_step
+    from thunder_fsdp_mem.training import models
 
     rank = runtime.init_distributed(args.device)
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0],
@@ -72,7 +73,7 @@ def run_one(args) -> dict:
     samples: list[tuple[int, int, int, int]] = []
     transforms = []
     if args.probe_dump:
-        from thunder_fsdp_mem.probes import MemoryProbeTransform
+        from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
 
         def record(tag: int, index: int) -> None:
             samples.append((tag, index, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()))
@@ -151,8 +152,7 @@ def _dump_probes(out: Path, samples, estimate, forward, backward) -> None:
         dump[name] = {"timeline": timeline.timeline, "op_peaks": timeline.op_peaks, "symbols": timeline.symbols,
                       "lines": [str(b).split("\n")[0][:300] for b in trace.bound_symbols]}
         (out / f"{name}_trace.py").write_text(str(trace))
-    dump["forward_outside_bytes"] = estimate.forward_outside_bytes
-    dump["backward_outside_bytes"] = estimate.backward_outside_bytes
+    dump["outside_bytes"] = {phase.name: phase.outside_bytes for phase in estimate.phases}
     (out / "probes.json").write_text(json.dumps(dump))
 
 

@@ -13,7 +13,8 @@ import time
 import thunder
 import torch
 
-from thunder_fsdp_mem import analyze, models
+from thunder_fsdp_mem import analyze
+from thunder_fsdp_mem.training import models
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import thunder  # noqa: E402
 import torch  # noqa: E402
 
-from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, models, runtime  # noqa: E402
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig  # noqa: E402
+from thunder_fsdp_mem.training import models, runtime  # noqa: E402
 
 VARIANTS = {
     "without the transform, again": None,

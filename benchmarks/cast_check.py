@@ -1,5 +1,5 @@
 """Which elementwise ops ATen runs on bf16 and f16 exactly as "upcast to float32, the op, round back": the check
-behind the tables of ``thunder_fsdp_mem/casts.py``.
+behind the tables of ``thunder_fsdp_mem/passes/casts.py``.
 
     python benchmarks/cast_check.py [--device cuda]
 

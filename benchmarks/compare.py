@@ -13,8 +13,9 @@ Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forwa
 the peak statistics are reset and ``--steps`` steps are measured: ``max_memory_allocated``,
 ``max_memory_reserved``, ``num_alloc_retries``, the median step time and tokens/s (on CPU: the least peak of
 ``cpu_memory.REPEATS`` more steps, from the allocations torch's profiler records, gloo's own buffers left out,
-``thunder_fsdp_mem.cpu_memory``; nothing for reserved/retries). For modes with a ThunderModule (Thunder's fsdp, plain ``thunder.jit``), the
-estimate is ``estimate_step`` with the eager loss and the optimizer's state. Rows are the maximum over ranks.
+``thunder_fsdp_mem.predict.cpu_memory``; nothing for reserved/retries). For modes with a ThunderModule
+(Thunder's fsdp, plain ``thunder.jit``), the estimate is ``estimate_step`` with the eager loss and the optimizer's
+state. Rows are the maximum over ranks.
 
 ``--jobs N`` runs up to N modes at once to save the minutes Thunder spends compiling 32 layers: each mode still
 has its own processes, and the modes take turns on the devices (a lock on the host): one mode warms up and is
@@ -47,8 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from thunder_fsdp_mem import modes as mode_table  # noqa: E402
-from thunder_fsdp_mem import runtime  # noqa: E402
+from thunder_fsdp_mem.training import modes as mode_table  # noqa: E402
+from thunder_fsdp_mem.training import runtime  # noqa: E402
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig  # noqa: E402
 from thunder_fsdp_mem.units import format_bytes  # noqa: E402
 
@@ -353,7 +354,7 @@ def worker(args) -> int:
                 result["setup_s"] = time.perf_counter() - started - waited
                 result.update(_measure(args, trainer, idx, targets, rank))
                 if trainer.transform is not None:
-                    result["rewrites"] = [dataclasses.astuple(r) for r in trainer.transform.rewrites]
+                    result["rewrites"] = [dataclasses.asdict(r) for r in trainer.transform.rewrites]
     runtime.print_result(result)
     if result["status"] != "ok":
         return 1
@@ -365,7 +366,7 @@ def worker(args) -> int:
 def _setup(args, rank, result: dict):
     """The mode's model, optimizer and batch; compiled ahead where the compiler allows, and estimated from the
     compiled traces (so that an OOM row still says what it needed)."""
-    from thunder_fsdp_mem import models
+    from thunder_fsdp_mem.training import models
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     mode, options = split_variant(args.worker)
@@ -439,7 +440,7 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
         reserved = torch.cuda.max_memory_reserved()
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     else:  # timed alone, then measured (not MemTracker: Dynamo would run FSDP2's step eagerly)
-        from thunder_fsdp_mem.cpu_memory import REPEATS, CPUMemory
+        from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
 
         for _ in range(args.steps):
             start = time.perf_counter()
@@ -465,7 +466,7 @@ def _estimate(trainer) -> dict:
     if trainer.jitted is None:
         return {}
     from thunder_fsdp_mem import estimate_step
-    from thunder_fsdp_mem.categories import Category
+    from thunder_fsdp_mem.analysis.categories import Category
 
     step = estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer)
     gathered = [a for a in step.live_at_peak if a.category is Category.GATHERED_PARAMETER]

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import thunder  # noqa: E402
 import thunder.executors.sdpaex as sdpaex  # noqa: E402
 
-from thunder_fsdp_mem import casts, models, recompute, reorder  # noqa: E402
+from thunder_fsdp_mem.passes import casts, recompute, reorder  # noqa: E402
+from thunder_fsdp_mem.training import models  # noqa: E402
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT  # noqa: E402
-from thunder_fsdp_mem.step import estimate_traces  # noqa: E402
+from thunder_fsdp_mem.analysis.step import estimate_traces  # noqa: E402
 
 WEIGHTS = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.2, 0.3, 1.0)
 

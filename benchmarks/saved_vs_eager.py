@@ -20,7 +20,8 @@ import torch  # noqa: E402
 
 from configs import BY_NAME  # noqa: E402
 from support import saved_bytes  # noqa: E402
-from thunder_fsdp_mem import FSDPMemoryTransform, models  # noqa: E402
+from thunder_fsdp_mem import FSDPMemoryTransform  # noqa: E402
+from thunder_fsdp_mem.training import models  # noqa: E402
 
 
 def measure(spec, dtype, transforms=None) -> int:

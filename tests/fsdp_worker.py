@@ -4,12 +4,12 @@ prints one ``RESULT {json}`` line per configuration and rank with MemTracker's p
 import sys
 
 import thunder
-import torch
 import torch.distributed as dist
 
 from configs import BY_NAME
 from support import memtracker_peak
-from thunder_fsdp_mem import estimate_step, models, runtime
+from thunder_fsdp_mem import estimate_step
+from thunder_fsdp_mem.training import models, runtime
 
 
 def main(families: list[str]) -> None:

@@ -16,8 +16,11 @@ import torch.distributed as dist
 from thunder.core.prims import PrimIDs
 
 from configs import BY_NAME
-from thunder_fsdp_mem import gathers, models, modes, ops, recompute, runtime, scatters
+from thunder_fsdp_mem import FSDPMemoryTransform, analyze
+from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes import gathers, recompute, scatters
+from thunder_fsdp_mem.training import models, modes, runtime
 
 
 def _step(mode, spec, rank, shard):
@@ -28,13 +31,10 @@ def _step(mode, spec, rank, shard):
 
 def _step_listed(spec, rank, shard):
     """The transform listed after Thunder's FSDPTransform in one ``thunder.jit``."""
-    from thunder.distributed import FSDPType
     from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
 
-    from thunder_fsdp_mem import FSDPMemoryTransform
-
     model = modes._gpt(spec, rank, torch.bfloat16)  # the model modes.build wraps, initialised the same way
-    strategy = {"zero2": FSDPType.ZERO2, "zero3": FSDPType.ZERO3}[shard]
+    strategy = runtime.fsdp_type(shard)
     jitted = thunder.jit(model, executors=runtime.executors("default"), transforms=[
         FSDPTransform(device=rank.device, sharding_strategy=strategy), FSDPMemoryTransform(strict=True)])
     return _run(jitted, spec, rank)
@@ -85,8 +85,6 @@ def inputs_held_until_waits(backward) -> bool:
     """The liveness model on CUDA keeps each reduce-scatter's input until its wait; on CPU the trace's ``del``
     frees it. In Thunder's backward every reduce-scatter is issued before the first wait, so just before that
     wait the two timelines differ by exactly the bytes of every reduce-scatter's input."""
-    from thunder_fsdp_mem import analyze
-
     bsyms = backward.bound_symbols
     futures = {b.flat_proxy_outs[0].name for b in bsyms if ops.sym_id(b) == ops.REDUCE_SCATTER}
     first_wait = next(i for i, b in enumerate(bsyms)
@@ -114,8 +112,6 @@ def transform_warns_and_keeps(forward, backward) -> bool:
     the future, and the all-gathers left as they were (the other passes off, so nothing else changes)."""
     from thunder.core.trace import from_trace
 
-    from thunder_fsdp_mem import FSDPMemoryTransform
-
     bsyms = list(forward.bound_symbols)
     g = gathers.match(bsyms)[0]
     exp = next(b for b in bsyms if ops.sym_id(b) in ops.ELEMENTWISE_OPS)
@@ -130,7 +126,7 @@ def transform_warns_and_keeps(forward, backward) -> bool:
         placeholder = transform.transform_trace_post_optimization(broken)
         new_backward = transform.transform_trace_post_optimization(backward)
     ours = [str(w.message) for w in caught if "FSDPMemoryTransform" in str(w.message)]
-    return (len(ours) == 1 and "all-gathers left as they were" in ours[0] and future in ours[0]
+    return (len(ours) == 1 and "pass 'all-gathers' refused" in ours[0] and future in ours[0]
             and list(placeholder.bound_symbols) == bsyms and new_backward is backward)
 
 

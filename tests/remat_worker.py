@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from configs import BY_NAME
 from support import saved_bytes
-from thunder_fsdp_mem import models, modes, runtime
+from thunder_fsdp_mem.training import models, modes, runtime
 
 
 def _step(mode: str, spec, rank, dtype):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from thunder_fsdp_mem import runtime
+from thunder_fsdp_mem.training import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 

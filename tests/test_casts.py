@@ -11,8 +11,11 @@ from thunder.core.pytree import tree_flatten
 
 from configs import BY_NAME
 from support import ROOT
-from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, casts, models, ops
-from thunder_fsdp_mem.step import estimate_traces
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+from thunder_fsdp_mem.analysis import symbols as ops
+from thunder_fsdp_mem.analysis.step import estimate_traces
+from thunder_fsdp_mem.passes import casts
+from thunder_fsdp_mem.training import models
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cast_check import differ, every_value  # noqa: E402
@@ -30,7 +33,9 @@ INEXACT = (1.4142135623730951, 0.42044820762685725, 1e-05)
 
 @pytest.mark.parametrize("low, dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
 def test_the_cpu_tables_hold_for_every_value(low, dtype):
-    # What the table lets fold computes the same bits in 16 bits as upcast, op, round; what it leaves out does not.
+    # What the table lets fold computes the same bits in 16 bits as upcast, op, round, on this CPU as on every CPU
+    # the table was built on. What it leaves out differs on some CPU (f16 sqrt on an AMD EPYC, not on an Intel
+    # Xeon), so only the first direction holds everywhere.
     x = every_value(dtype, "cpu")
     pairs = x[torch.randint(0, x.numel(), (2, 1 << 20), generator=torch.Generator().manual_seed(0))]
     for name, f in TORCH_OPS.items():
@@ -38,13 +43,15 @@ def test_the_cpu_tables_hold_for_every_value(low, dtype):
             wrong = differ(f(pairs[0], pairs[1]), f(pairs[0].float(), pairs[1].float()).to(dtype))
         else:
             wrong = differ(f(x), f(x.float()).to(dtype))
-        assert (wrong == 0) == (name in casts.FOLDABLE["cpu"][low]), (name, wrong)
+        if name in casts.FOLDABLE["cpu"][low]:
+            assert wrong == 0, (name, wrong)
     for name in ("add", "sub", "mul", "true_divide"):
         for position in (0, 1):
             def f(v, n):
                 return TORCH_OPS[name](*((n, v) if position == 0 else (v, n)))
             wrong = sum(differ(f(x, n), f(x.float(), n).to(dtype)) for n in INEXACT)
-            assert (wrong == 0) == ((name, position) in casts.INEXACT_NUMBER["cpu"]), (name, position, wrong)
+            if (name, position) in casts.INEXACT_NUMBER["cpu"]:
+                assert wrong == 0, (name, position, wrong)
             assert sum(differ(f(x, n), f(x.float(), n).to(dtype)) for n in (0.5, -2.0)) == 0
 
 

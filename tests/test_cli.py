@@ -9,7 +9,7 @@ import thunder
 import torch
 
 from support import memtracker_peak
-from thunder_fsdp_mem import models
+from thunder_fsdp_mem.training import models
 from thunder_fsdp_mem.cli import main
 
 SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mode", "jit", "--device", "cpu"]

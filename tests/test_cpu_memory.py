@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from support import memtracker_peak
-from thunder_fsdp_mem.cpu_memory import CPUMemory, held_bytes, running_totals
+from thunder_fsdp_mem.predict.cpu_memory import CPUMemory, held_bytes, running_totals
 
 KB4 = 4096
 

@@ -6,14 +6,15 @@ import thunder
 import torch
 
 from configs import BY_NAME
-from thunder_fsdp_mem import emulate, models
-from thunder_fsdp_mem.categories import Category
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.predict import emulate, meta
+from thunder_fsdp_mem.training import models, runtime
 
 
 def _attention_symbols(device_type: str) -> set[str]:
     """The sdpa executor's symbols in the forward of a 1-block model traced on meta for ``device_type``."""
     spec = BY_NAME["neox"]
-    with emulate.attention_as_on(device_type):
+    with meta.attention_as_on(device_type):
         jitted = thunder.jit(models.build(spec, dtype=torch.bfloat16, device="meta"))
         jitted(*models.batch(spec, device="meta")).backward()
     return {b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols if "sdpa" in b.sym.name}
@@ -25,7 +26,7 @@ def test_attention_is_claimed_for_cuda_and_decomposed_for_cpu():
     assert cuda_symbols, "on CUDA Thunder's sdpa executor runs flash attention"
     assert not cpu_symbols, "on CPU the executor does not claim the op"
     with pytest.raises(ValueError, match="device_type must be one of cuda, cpu"):
-        with emulate.attention_as_on("tpu"):
+        with meta.attention_as_on("tpu"):
             pass
 
 
@@ -53,11 +54,9 @@ def test_bad_combinations_are_refused():
 
 def _fusions(device_type: str) -> set[str]:
     """The fusion symbols in the forward of a 1-block NeoX model traced on meta with ``default+cat``."""
-    from thunder_fsdp_mem import runtime
-
     spec = BY_NAME["neox"]
     chosen = runtime.executors("default+cat")
-    with emulate.attention_as_on(device_type), emulate.executors_as_on(device_type, chosen):
+    with meta.attention_as_on(device_type), meta.executors_as_on(device_type, chosen):
         jitted = thunder.jit(models.build(spec, dtype=torch.bfloat16, device="meta"), executors=chosen)
         jitted(*models.batch(spec, device="meta")).backward()
     return {b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.is_fusion}

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from configs import BY_NAME
-from thunder_fsdp_mem import fsdp2, models
-from thunder_fsdp_mem.categories import Category
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.step import Stage
+from thunder_fsdp_mem.predict import fsdp2
+from thunder_fsdp_mem.training import models
 
 WORLD = 2
 
@@ -99,7 +101,7 @@ def test_block_allocations_are_placed_at_litgpt_lines(steps):
     import linecache
 
     # (The backward trace's symbols carry no place at all.)
-    forwards = [p.timeline for p in steps["zero2"].phases if p.timeline is not None and p.name.startswith("forward")]
+    forwards = [p.timeline for p in steps["zero2"].phases if p.timeline is not None and p.stage is Stage.FORWARD]
     assert len(forwards) == 2  # one per block
     for timeline in forwards:
         sources = {a.source for a in timeline.allocations if a.source}

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from thunder_fsdp_mem import layout
+from thunder_fsdp_mem.analysis import layout
 
 
 def _layouts():

@@ -7,7 +7,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from thunder_fsdp_mem import analyze
-from thunder_fsdp_mem.probes import MemoryProbeTransform
+from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
 
 
 def views_and_copies(a, w):

@@ -9,7 +9,7 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
-from thunder_fsdp_mem import checks, recompute
+from thunder_fsdp_mem.passes import checks, recompute
 
 
 def f(x, w):

@@ -7,7 +7,8 @@ import torch
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
-from thunder_fsdp_mem import checks, liveness, reorder
+from thunder_fsdp_mem.analysis import liveness
+from thunder_fsdp_mem.passes import checks, reorder
 
 KB256 = 256 * 256 * 4  # one float32 [256, 256] tensor
 

@@ -1,6 +1,6 @@
 """runtime's worker results: what one rank prints, another process reads back, also when ranks' lines mix."""
 
-from thunder_fsdp_mem import runtime
+from thunder_fsdp_mem.training import runtime
 
 
 def test_results_are_read_back_also_when_two_ranks_lines_ran_together(capsys):

@@ -8,7 +8,8 @@ import torch
 
 from configs import BY_NAME
 from support import memtracker_peak
-from thunder_fsdp_mem import estimate_step, models
+from thunder_fsdp_mem import estimate_step
+from thunder_fsdp_mem.training import models
 
 TOLERANCE = 0.03
 

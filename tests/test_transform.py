@@ -7,12 +7,12 @@ import warnings
 import pytest
 import thunder
 import torch
-from thunder.core.prims import PrimIDs
 from thunder.core.transform_common import Transform
 
 from configs import BY_NAME
 from support import saved_bytes
-from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, models
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+from thunder_fsdp_mem.training import models
 
 
 def _run(spec, dtype, transforms):
@@ -134,18 +134,3 @@ def test_fusion_regions_are_recomputed_whole_and_results_stay_bitwise():
     forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
     assert fusions(forward) & fusions(backward)  # a forward fusion runs again in backward
 
-
-def test_dels_are_placed_as_thunders_del_last_used_places_them(plain_traces):
-    # ops.dels_at_last_use is the cheaper copy of Thunder's pass that every rewrite runs: the same symbols, the
-    # same dels with the same names in the same places, forward and backward (with its collection clears).
-    from thunder.executors.passes import del_last_used
-
-    from thunder_fsdp_mem import ops
-
-    def listing(trace):
-        return [(b.sym.id, tuple(p.name for p in b.flat_proxy_args)) for b in trace.bound_symbols]
-
-    for trace, clear in ((plain_traces[0][-1], False), (plain_traces[1], True)):
-        assert any(b.sym.id == PrimIDs.DEL for b in trace.bound_symbols)
-        ours = ops.dels_at_last_use(trace, clear_mutable_collections=clear)
-        assert listing(ours) == listing(del_last_used(trace, clear_mutable_collections=clear))

@@ -6,10 +6,10 @@
 - ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
 """
 
-from thunder_fsdp_mem.categories import Category
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.liveness import Allocation, InputSpec, MemoryTimeline, analyze
+from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step, estimate_traces
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.liveness import Allocation, InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.step import StepMemory, estimate_step, estimate_traces
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 from thunder_fsdp_mem.units import format_bytes
 

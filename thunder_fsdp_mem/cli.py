@@ -1,5 +1,6 @@
 """``thunder-fsdp-mem``: the command line. ``main(argv=None) -> int`` returns the exit code; user errors print one
-line to stderr and exit with 2."""
+line to stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that
+``--help`` and usage errors answer at once."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from thunder_fsdp_mem.emulate import DEVICE_TYPES, MODES, SHARDS
-    from thunder_fsdp_mem.runtime import EXECUTOR_CHOICES
+    from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
+    from thunder_fsdp_mem.predict.emulate import MODES
+    from thunder_fsdp_mem.training.runtime import EXECUTOR_CHOICES, SHARDS
 
     parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,7 +110,8 @@ def _validate(args) -> None:
         hint = f"; closest: {', '.join(close)}" if close else "; see litgpt's list of configurations"
         raise _UsageError(f"unknown litgpt model {args.model!r}{hint}")
     if args.mode == "fsdp2":
-        from thunder_fsdp_mem import fsdp2, models
+        from thunder_fsdp_mem.predict import fsdp2
+        from thunder_fsdp_mem.training import models
 
         refused = fsdp2.unsupported(models.ModelSpec(name=args.model, block_size=args.block_size).config())
         if refused:
@@ -139,8 +142,8 @@ def _measure(args, spec, memory):
     """Every rank runs the step; rank 0 gets every rank's measurement, the others None."""
     import torch.distributed as dist
 
-    from thunder_fsdp_mem import models, runtime
-    from thunder_fsdp_mem.measure import gather, measure_step
+    from thunder_fsdp_mem.predict.measure import gather, measure_step
+    from thunder_fsdp_mem.training import models, runtime
 
     rank = runtime.init_distributed(args.device)
     try:
@@ -154,9 +157,9 @@ def _measure(args, spec, memory):
 
 
 def _report(args) -> int:
-    from thunder_fsdp_mem import models
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.emulate import trace_step
+    from thunder_fsdp_mem.predict.emulate import trace_step
+    from thunder_fsdp_mem.training import models
     from thunder_fsdp_mem.report import build_report, render_json, render_plot, render_text
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
@@ -198,7 +201,7 @@ def _report(args) -> int:
              f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device")
     comparison = None
     if measured is not None:
-        from thunder_fsdp_mem.measure import compare
+        from thunder_fsdp_mem.predict.comparison import compare
 
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,

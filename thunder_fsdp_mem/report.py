@@ -2,7 +2,7 @@
 functions that only read it. Only the CLI prints.
 
 A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it; and with
-``--measure``, the measured step beside the plan shown (``measure.Comparison``). The top
+``--measure``, the measured step beside the plan shown (``comparison.Comparison``). The top
 allocations at the peak are grouped: allocations of the same shape, dtype, category, producing symbol and source
 line (one per block of a litgpt model) are one row with a count.
 """
@@ -13,14 +13,11 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from thunder_fsdp_mem.categories import Category
-from thunder_fsdp_mem.step import StepMemory
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.units import format_bytes
-
-if TYPE_CHECKING:
-    from thunder_fsdp_mem.measure import Comparison
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,20 +244,6 @@ def _plan_json(plan: Plan) -> dict:
     }
 
 
-_BLOCK = re.compile(r": block \d+$")
-
-
-def timeline(step: StepMemory) -> tuple[list[int], list[tuple[str, int]]]:
-    """Live bytes over the step, one point per bound symbol (the memory inside each op) and one per phase without
-    a trace, with what is alive outside the traces added; and (phase, index of its first point)."""
-    points: list[int] = []
-    marks = []
-    for phase in step.phases:
-        marks.append((phase.name, len(points)))
-        points += phase.points()
-    return points, marks
-
-
 def render_plot(report: Report, path: str) -> None:
     """Live memory over the step for each plan, phases marked (the forward, the loss, the backward, and under
     FSDP2 each block's), each plan's peak annotated (PNG, SVG or PDF)."""
@@ -271,7 +254,8 @@ def render_plot(report: Report, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for plan in report.plans:
-        points, marks = timeline(plan.step)
+        timeline = plan.step.timeline()
+        points = timeline.points
         xs = [i / max(1, len(points) - 1) for i in range(len(points))]  # the step's progress, 0 to 1
         gib = [p / 2**30 for p in points]
         line, = ax.plot(xs, gib, label=plan.label, linewidth=1)
@@ -279,24 +263,24 @@ def render_plot(report: Report, path: str) -> None:
         ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], gib[top]),
                     textcoords="offset points", xytext=(5, 5), color=line.get_color(), fontsize=8)
         stage, labelled = None, -1.0
-        for name, start in marks:
+        for phase, start in zip(plan.step.phases, timeline.starts):
             if start >= len(xs):
                 continue
-            if _BLOCK.search(name):  # a block of the model: a light tick
+            if phase.timeline is not None:  # a trace (under FSDP2, each block's): a light tick
                 ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.3, alpha=0.5)
-            now = name.split(":")[0]
-            if now != stage and start > 0:  # the forward, the loss, the backward: a line, labelled where room
+            if phase.stage is not stage and start > 0:  # forward, loss, backward: a line, labelled where room
                 ax.axvline(xs[start], color=line.get_color(), linestyle="--", linewidth=0.8)
                 if xs[start] - labelled > 0.05:
-                    ax.annotate(now, (xs[start], 0.01), xycoords=("data", "axes fraction"),
+                    ax.annotate(phase.stage.value, (xs[start], 0.01), xycoords=("data", "axes fraction"),
                                 textcoords="offset points", xytext=(2, 0), fontsize=7, color=line.get_color())
                     labelled = xs[start]
-            stage = now
+            stage = phase.stage
     if report.measured is not None:
-        points, _ = timeline(report.shown.step)
+        points = report.shown.step.timeline().points
         scale = max(1, len(points) - 1)
         m = report.measured
-        label = f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} ({100 * m.error:+.2f}% predicted)"
+        label = (f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} "
+                 f"({100 * m.error:+.2f}% predicted)")
         ax.scatter([pos / scale for pos, _, _ in m.points], [b / 2**30 for _, b, _ in m.points], s=2, color="black",
                    linewidths=0, label=label, zorder=3)
     ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")

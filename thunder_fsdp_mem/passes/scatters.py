@@ -21,13 +21,17 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from thunder.core.prims import PrimIDs
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem import ops, recompute
+from thunder_fsdp_mem.analysis.symbols import (
+    REDUCE_SCATTER, WAITS, DefUse, def_use, nbytes, sym_id, tensor_args, tensor_outputs, without_dels,
+)
+from thunder_fsdp_mem.passes import recompute
+from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.edit import rebuilt
 
 
-class ScatterError(ValueError):
+class ScatterError(PassError):
     """The trace's reduce-scatters are not in a form this pass knows; the message names what did not match."""
 
 
@@ -42,38 +46,32 @@ class Scatter:
 
 def match(bsyms: list) -> tuple[Scatter, ...]:
     """Every reduce-scatter of ``bsyms`` (no ``del``s) with its one wait and its preparing symbols, in order."""
-    producer: dict[str, int] = {}
-    readers: dict[str, list[int]] = defaultdict(list)
-    for i, b in enumerate(bsyms):
-        for a in b.flat_proxy_args:
-            readers[a.name].append(i)
-        for o in b.flat_proxy_outs:
-            producer.setdefault(o.name, i)
+    index = def_use(bsyms)
     found = []
     for i, b in enumerate(bsyms):
-        if ops.sym_id(b) != ops.REDUCE_SCATTER:
+        if sym_id(b) != REDUCE_SCATTER:
             continue
         if len(b.flat_proxy_outs) != 1:
             raise ScatterError(f"reduce-scatter at symbol {i} does not return one future")
         future = b.flat_proxy_outs[0].name
-        waits = readers.get(future, [])
-        if len(waits) != 1 or ops.sym_id(bsyms[waits[0]]) not in ops.WAITS:
+        waits = index.readers.get(future, ())
+        if len(waits) != 1 or sym_id(bsyms[waits[0]]) not in WAITS:
             raise ScatterError(f"the future {future} of the reduce-scatter at symbol {i} is not read by one wait")
-        found.append(Scatter(_preparing(bsyms, i, producer, readers), i, waits[0]))
+        found.append(Scatter(_preparing(bsyms, i, index), i, waits[0]))
     return tuple(found)
 
 
-def _preparing(bsyms: list, scatter: int, producer: dict[str, int], readers: dict[str, list[int]]) -> tuple[int, ...]:
+def _preparing(bsyms: list, scatter: int, index: DefUse) -> tuple[int, ...]:
     """The symbols before ``scatter`` that compute its input and whose outputs only it (or another of them)
     reads: cheap, recomputable ops, so moving them changes no result."""
     chain = {scatter}
     frontier = [scatter]
     while frontier:
         for a in bsyms[frontier.pop()].flat_proxy_args:
-            p = producer.get(a.name)
+            p = index.producer.get(a.name)
             if p is None or p in chain or not recompute.recomputable(bsyms[p]):
                 continue
-            if all(r in chain for o in bsyms[p].flat_proxy_outs for r in readers.get(o.name, ())):
+            if all(r in chain for o in bsyms[p].flat_proxy_outs for r in index.readers.get(o.name, ())):
                 chain.add(p)
                 frontier.append(p)
     chain.discard(scatter)
@@ -87,14 +85,11 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
     raising its peak; a reduce-scatter whose output and input do not fit where its gradient is complete is
     issued where it was (and waited for in the window). None: room everywhere."""
     position = {id(b): i for i, b in enumerate(trace.bound_symbols)}
-    bsyms = [b for b in trace.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
+    bsyms = without_dels(trace.bound_symbols)
     found = match(bsyms)
     if not found:
         return trace
-    producer: dict[str, int] = {}
-    for i, b in enumerate(bsyms):
-        for o in b.flat_proxy_outs:
-            producer.setdefault(o.name, i)
+    producer = def_use(bsyms).producer
     # Each reduce-scatter goes right after the last symbol (not its own) that defines one of its group's inputs,
     # if there is room there for what it and the ones still in flight hold (input and output); ``room`` never
     # shrinks along the trace, so room where it is issued is room until it is waited for. All are waited for in
@@ -109,8 +104,8 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
     in_flight: list[int] = []  # the costs of the reduce-scatters issued early
     for s in sorted(found, key=lambda s: (ready_at[s], s.scatter)):
         ready = ready_at[s]
-        held = [ops.tensor_args(bsyms[s.scatter])[0], *ops.tensor_outputs(bsyms[s.scatter])]
-        cost = sum(ops.nbytes(t) for t in held)
+        held = [tensor_args(bsyms[s.scatter])[0], *tensor_outputs(bsyms[s.scatter])]
+        cost = sum(nbytes(t) for t in held)
         others = sum(in_flight[max(0, len(in_flight) - max_inflight + 1):])
         if room is None or ready < 0 or cost + others <= room[position[id(bsyms[ready])]]:
             after[ready].append(s)
@@ -147,11 +142,5 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
             out.append(b)
         for s in after.get(i, ()):
             issue(s, group=True)
-    if len(out) == len(trace.bound_symbols) and all(a is b for a, b in zip(out, trace.bound_symbols)):
-        return trace
-    new = from_trace(trace)
-    new.bound_symbols = out
-    new = ops.dels_at_last_use(new, clear_mutable_collections=clear_mutable_collections)
-    new.set_provenance(TraceProvenance(
-        f"FSDPMemoryTransform: reduce-scatters issued when their gradient is complete, {max_inflight} in flight"))
-    return new
+    return rebuilt(trace, out, f"reduce-scatters issued when their gradient is complete, {max_inflight} in flight",
+                   clear_mutable_collections=clear_mutable_collections)

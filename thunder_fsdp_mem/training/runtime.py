@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 EXECUTOR_CHOICES = ("default", "default+cat")
+SHARDS = ("zero2", "zero3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +105,15 @@ def _cat_executor():
 
 def thunder_fsdp(jitted, *, shard: str, device: torch.device):
     """``thunder.distributed.fsdp`` with ``shard`` one of ``zero2``/``zero3``."""
-    from thunder.distributed import FSDPType, fsdp
+    from thunder.distributed import fsdp
 
-    strategies = {"zero2": FSDPType.ZERO2, "zero3": FSDPType.ZERO3}
-    if shard not in strategies:
-        raise ValueError(f"shard must be one of zero2, zero3; got {shard!r}")
-    return fsdp(jitted, device=device, sharding_strategy=strategies[shard])
+    return fsdp(jitted, device=device, sharding_strategy=fsdp_type(shard))
+
+
+def fsdp_type(shard: str):
+    """Thunder's ``FSDPType`` of ``shard``, one of ``SHARDS``."""
+    from thunder.distributed import FSDPType
+
+    if shard not in SHARDS:
+        raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
+    return FSDPType.ZERO2 if shard == "zero2" else FSDPType.ZERO3

@@ -12,8 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import thunder
+from litgpt import GPT
 
-from thunder_fsdp_mem import models, runtime
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
     "thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "fsdp2-inductor", "fsdp2-eager",
@@ -50,8 +54,6 @@ class Trainer:
         while it runs the step, so the other modes compile in their first step. True if it compiled here."""
         if self.jitted is None:
             return False
-        import thunder
-
         thunder.compile_data(self.jitted).get_computation_and_inputs(idx)
         return True
 
@@ -86,12 +88,11 @@ class Trainer:
 
 
 def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
-          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory=None, probe=None) -> Trainer:
-    """``memory``: the ``MemoryConfig`` of the +mem modes (the defaults when None). ``probe``: a Thunder transform
-    listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile with Thunder."""
-    from thunder_fsdp_mem.config import MemoryConfig
-
-    memory = memory if memory is not None else MemoryConfig()
+          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory: MemoryConfig = MemoryConfig(),
+          probe=None) -> Trainer:
+    """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
+    Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
+    with Thunder."""
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
     builders: dict[str, Callable[..., Trainer]] = {
@@ -128,8 +129,6 @@ def _scalar_cpu_inductor() -> None:
 
 
 def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
-    from litgpt import GPT
-
     torch.manual_seed(0)
     with torch.device(rank.device):
         gpt = GPT(spec.config())
@@ -142,10 +141,6 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem, probe) -> Trainer:
     """``mem``: the MemoryConfig of the transform, None for none."""
-    import thunder
-
-    from thunder_fsdp_mem.transform import FSDPMemoryTransform
-
     transform = FSDPMemoryTransform(mem) if mem is not None else None
     transforms = [t for t in (transform, probe) if t is not None]
     jitted = thunder.jit(_gpt(spec, rank, dtype), executors=runtime.executors(executors), transforms=transforms)
@@ -170,8 +165,6 @@ def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
     model: torch.nn.Module = gpt
     if compiler is not None and compiler[0] == "thunder":
         from thunder.dynamo import ThunderCompiler
-
-        from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
         _, executors, mem, probe = compiler
         transform = FSDPMemoryTransform(mem) if mem is not None else None

@@ -1,17 +1,17 @@
 """What each bound symbol does to memory: which outputs are new allocations, which alias an input, and what
 workspace the op allocates that the trace does not show.
 
-Rules, by symbol id (the name Thunder's executors register):
-- view ops (``unsqueeze``, ``expand``, ``permute``, ``split``, slicing, ``shallow_copy``, the wait of a
-  collective...) alias their first tensor argument;
+Entry point: ``classify(bsym, strides_of) -> Effect``. Rules, by ``symbols.sym_id``:
+- view ops (``symbols.VIEW_OPS``: Thunder's symbols that return views, slicing, the wait of a collective...) alias
+  their first tensor argument;
 - ``reshape``-like ops alias when torch can view the input (see ``layout.view_strides``) and copy otherwise;
   ``to``/``contiguous`` alias when they change nothing;
 - fusion regions (``TorchCompile*``, ``nvFusion*``) allocate their outputs, except outputs that their own
   subsymbols reach from an input through views alone;
 - collectives allocate their result at the call (an all-gather's output exists from the all-gather on, not
   from the wait);
-- every other symbol allocates its tensor outputs (the general rule). Symbols from executors this module does
-  not know are reported once by name.
+- every other symbol allocates its tensor outputs (the general rule). Symbols of executors not in
+  ``symbols.KNOWN_EXECUTORS`` are marked unknown.
 
 Workspace is modelled where an op materialises tensors it does not return: ``matmul``/``linear`` copying an
 operand that cannot be viewed as the batched or folded shape, and ``softmax``/``log_softmax`` converting their
@@ -22,21 +22,25 @@ memory-efficient or flash kernels, whose outputs it lists.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
 from thunder.core.prims import PrimIDs
-from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
+from thunder.core.proxies import TensorProxy
 
-from thunder_fsdp_mem import layout
-from thunder_fsdp_mem.categories import Category
-
-TensorLike = TensorProxy | FutureTensorProxy
+from thunder_fsdp_mem.analysis import layout
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.symbols import (
+    ALL_GATHER, ALL_REDUCE, CLEAR, COLLECTIVES, ELEMENTWISE_OPS, KNOWN_EXECUTORS, PACKS, REDUCE_SCATTER, RESHAPE_OPS,
+    UNPACK_IDS, VIEW_OPS, WAITS, TensorLike, is_fusion, nbytes, shape, sym_id, tensor_args, tensor_outputs,
+)
 
 
 class Kind(Enum):
+    """What a bound symbol is to the walk: an op, the unpacking of an input, a ``del``, a collection clear, the
+    return, or nothing that touches tensors."""
+
     COMPUTE = "compute"
     UNPACK = "unpack"
     DEL = "del"
@@ -59,154 +63,16 @@ class Output:
 
 @dataclass(frozen=True, slots=True)
 class Effect:
+    """The memory effect of one bound symbol: its outputs, the workspace it allocates while it runs, and whether
+    its executor is one whose memory behaviour is known."""
+
     kind: Kind
     outputs: tuple[Output, ...] = ()
     workspace: int = 0
     known: bool = True
 
 
-# Outputs share the storage of the first tensor argument.
-VIEW_OPS = frozenset(
-    {
-        "shallow_copy", "unsqueeze", "expand", "expand_as", "permute", "transpose", "t", "squeeze", "view",
-        "view_as", "unflatten", "movedim", "select", "diagonal", "split", "tensor_split", "chunk", "unbind",
-        "getitem", "torch_slice_prim_impl", "real", "imag", "narrow", "unfold", "detach", "alias",
-        "update_aliases", "torch_wait_prim_impl", "broadcast_to", "swapaxes", "mT",
-    }
-)
-# Outputs are views when torch can view the input, copies otherwise.
-RESHAPE_OPS = frozenset({"reshape", "torch_prims_reshape_impl", "flatten", "reshape_as"})
-# New tensors laid out like their (same-shaped) input: TensorIterator's preserve_format.
-ELEMENTWISE_OPS = frozenset(
-    {
-        "to", "clone", "add", "sub", "mul", "true_divide", "div", "torch_div_prim_impl", "neg", "exp", "log",
-        "erf", "tanh", "sigmoid", "where", "pow", "rsqrt", "sqrt", "abs", "gelu", "silu", "relu", "maximum",
-        "minimum", "ge", "gt", "le", "lt", "eq", "ne", "logical_not", "reciprocal", "masked_fill", "sin", "cos",
-        "type_as", "float", "bfloat16", "half", "log1p", "expm1", "clamp", "square", "bitwise_and", "bitwise_or",
-    }
-)
-ALL_GATHER = "torch_all_gather_prim_impl"
-REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
-ALL_REDUCE = "torch_all_reduce_prim_impl"
-BROADCAST = "torch_broadcast_prim_impl"
-COLLECTIVES = frozenset({ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST})
-WAITS = frozenset({"torch_wait_prim_impl"})
-PACKS = frozenset({"torch_pack_prim_impl", "torch_pack_for_fsdp_prim_impl"})
-UNPACK_IDS = frozenset(
-    {
-        PrimIDs.UNPACK_TRIVIAL, PrimIDs.UNPACK_SEQUENCE, PrimIDs.UNPACK_KEY, PrimIDs.UNPACK_ATTR,
-        PrimIDs.UNPACK_DICT_KEY, PrimIDs.UNPACK_EMPTY_DICT, PrimIDs.UNPACK_ITER, PrimIDs.UNPACK_FUNCTION_OBJ,
-        PrimIDs.UNPACK_CACHE_INFO, PrimIDs.UNPACK_BUFFER, PrimIDs.UNPACK_PARAMETER, PrimIDs.UNPACK_SUBMODULE,
-        PrimIDs.UNPACK_THUNDER_MODULE,
-    }
-)
-# Executors whose symbols follow torch's semantics op by op: the general rule is right for them.
-KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "cudnn", "fa3", "custom_op"})
-
 StridesOf = Callable[[str], layout.Strides]
-
-
-def tensor_args(bsym) -> list[TensorLike]:
-    return [a for a in bsym.flat_proxy_args if isinstance(a, (TensorProxy, FutureTensorProxy))]
-
-
-def tensor_outputs(bsym) -> list[TensorLike]:
-    return [o for o in bsym.flat_proxy_outs if isinstance(o, (TensorProxy, FutureTensorProxy))]
-
-
-def nbytes(t: TensorLike) -> int:
-    numel = 1
-    for s in t.shape:
-        numel *= int(s)
-    return numel * t.dtype.bytes
-
-
-def dtype_name(t) -> str:
-    """Thunder's short name of the dtype of a proxy or of a torch tensor (``bf16``, ``f32``...), so that the report
-    spells the dtypes of traced and held tensors alike."""
-    dtype = t.dtype
-    if isinstance(dtype, torch.dtype):
-        from thunder.core.dtypes import to_dtype
-
-        dtype = to_dtype(dtype)
-    short = getattr(dtype, "shortname", None)
-    return short() if callable(short) else str(dtype)
-
-
-def shape(t: TensorLike) -> layout.Shape:
-    # The stored shape: the ``shape`` property asks the compile data whether values are symbolic on every call.
-    return tuple(int(s) for s in getattr(t, "_shape", None) or t.shape)
-
-
-def dels_at_last_use(trace, *, clear_mutable_collections: bool = False):
-    """``trace`` with its ``del``s dropped and placed again after each proxy's last use, as Thunder's
-    ``del_last_used`` places them (same rule, same order), at a fraction of its cost: Thunder binds every new
-    ``del`` through the symbol's signature, this copies one bound ``del``."""
-    from collections import deque
-
-    from thunder.core.prims import python_del
-    from thunder.core.pytree import tree_flatten
-    from thunder.core.trace import from_trace
-    from thunder.executors.passes import clear_mutable_collection, comment_symbols
-
-    handled = {p.name for p in tree_flatten(trace.output)[0] if isinstance(p, Proxy)}
-    template = None
-    out = deque()
-    for bsym in reversed(trace.bound_symbols):
-        if bsym.sym.id in comment_symbols:
-            out.appendleft(bsym)
-            continue
-        if bsym.sym.id == PrimIDs.DEL:
-            continue
-        to_del = []
-        for x in (*bsym.flat_proxy_outs, *bsym.flat_proxy_args):
-            if x.name not in handled:
-                handled.add(x.name)
-                to_del.append(x)
-        if to_del and bsym.sym.id is not PrimIDs.RETURN:
-            if template is None:
-                template = python_del.bind(*to_del, output=None)
-                out.appendleft(template)
-            else:
-                out.appendleft(template.from_bsym(args=tuple(to_del)))
-            if clear_mutable_collections:
-                for x in to_del:
-                    if isinstance(x, CollectionProxy):
-                        out.appendleft(clear_mutable_collection.bind(x, output=None))
-        out.appendleft(bsym)
-    new = from_trace(trace)
-    new.bound_symbols = list(out)
-    return new
-
-
-def is_copy_into(bsym) -> bool:
-    """An in-place copy: it writes its destination argument, whose value then changes."""
-    return bsym.sym.id == PrimIDs.COPY_ or sym_id(bsym) in ("copy_", "torch_copy__prim_impl")
-
-
-def is_fusion(bsym) -> bool:
-    return bool(getattr(bsym.sym, "is_fusion", False))
-
-
-# Thunder prims that are views, by the name of the torch-executor op with the same semantics.
-_PRIM_VIEWS = {
-    PrimIDs.SLICE: "torch_slice_prim_impl",
-    PrimIDs.BROADCAST_IN_DIM: "expand",
-    PrimIDs.TRANSPOSE: "permute",
-    PrimIDs.RESHAPE: "reshape",
-    PrimIDs.VIEW: "view",
-    PrimIDs.SQUEEZE: "squeeze",
-    PrimIDs.SHALLOW_COPY: "shallow_copy",
-}
-
-
-def sym_id(bsym) -> str:
-    """The op's name as this module's tables know it: the executor's id for executor symbols, the short name
-    for ``thunder.torch`` symbols, the torch op with the same semantics for view prims."""
-    sid = bsym.sym.id
-    if isinstance(sid, str):
-        return bsym.sym.name if sid.startswith("torch.") else sid
-    return _PRIM_VIEWS.get(sid) or bsym.sym.name
 
 
 def classify(bsym, strides_of: StridesOf) -> Effect:
@@ -218,7 +84,7 @@ def classify(bsym, strides_of: StridesOf) -> Effect:
         return Effect(Kind.RETURN)
     if sid in UNPACK_IDS:
         return Effect(Kind.UNPACK)
-    if sid == "clear_mutable_collection":
+    if sid == CLEAR:
         return Effect(Kind.CLEAR)
     outs = tensor_outputs(bsym)
     if not outs:
@@ -269,7 +135,8 @@ def _view(bsym, sid: str, base: TensorLike, out: TensorLike, strides_of: Strides
 
 def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.Strides) -> layout.Strides:
     in_shape, out_shape = shape(base), shape(out)
-    if sid in ("shallow_copy", "detach", "alias", "update_aliases", "split", "tensor_split", "chunk"):
+    if sid in ("shallow_copy", "detach", "alias", "update_aliases", "split", "split_with_sizes", "tensor_split",
+               "hsplit", "vsplit", "chunk"):
         return st if len(st) == len(out_shape) else layout.contiguous_strides(out_shape)
     if bsym.sym.id == PrimIDs.BROADCAST_IN_DIM:
         return layout.broadcast_in_dim(in_shape, st, out_shape, bsym.args[2])
@@ -280,7 +147,7 @@ def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.
     if sid == "permute":
         dims = bsym.args[1] if len(bsym.args) == 2 and isinstance(bsym.args[1], Sequence) else bsym.args[1:]
         return layout.permuted(st, dims)
-    if sid in ("transpose", "swapaxes", "t", "mT"):
+    if sid in ("transpose", "swapaxes", "swapdims", "t", "mT", "adjoint"):
         d0, d1 = (int(bsym.args[1]), int(bsym.args[2])) if len(bsym.args) >= 3 else (-2, -1)
         out = list(st)
         out[d0], out[d1] = out[d1], out[d0]
@@ -437,23 +304,3 @@ def _prod(xs: Sequence[int]) -> int:
     for x in xs:
         out *= int(x)
     return out
-
-
-def proxy_names(obj) -> list[str]:
-    """Names of the proxies in a (possibly nested) argument."""
-    out: list[str] = []
-    _walk(obj, out)
-    return out
-
-
-def _walk(obj, out: list[str]) -> None:
-    if isinstance(obj, Proxy):
-        out.append(obj.name)
-        if isinstance(obj, CollectionProxy):
-            return
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            _walk(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _walk(v, out)

@@ -12,13 +12,7 @@ compile and create the optimizer state; the next step is recorded:
   mode, would have Dynamo run the FSDP2 step eagerly); of ``cpu_memory.REPEATS`` recorded steps the one with the
   least peak is kept (the profiler does not see the frees on gloo's worker thread).
 
-``compare(step, measurements) -> Comparison`` sets the prediction (a ``StepMemory``) beside the rank with the
-highest measured peak. Each run of a forward or backward trace is paired, in order, with the next phase of the
-prediction of the same kind that has a trace (under FSDP2, block after block). A sample then has a position on the
-prediction's timeline (``report.timeline``), and its peak covers the predicted points since the previous sample:
-the first probe of the backward also sees the eager loss and, under FSDP2, the eager units' backward before the
-first block. Runs of traces without a backward (ThunderFX's graph of the root's rotary slices) pair with no phase;
-their peaks count towards the next paired sample.
+``comparison.compare`` sets the measurements beside the prediction.
 """
 
 from __future__ import annotations
@@ -28,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from thunder_fsdp_mem import models, modes, runtime
-from thunder_fsdp_mem.cpu_memory import REPEATS
-from thunder_fsdp_mem.probes import MemoryProbeTransform
-from thunder_fsdp_mem.report import timeline
-from thunder_fsdp_mem.step import StepMemory
+import torch.distributed as dist
+
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
+from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
+from thunder_fsdp_mem.training import models, modes, runtime
 
 WARMUP = 2
 # The report's mode, with or without FSDPMemoryTransform -> the set-up ``modes.build`` makes.
@@ -82,7 +77,7 @@ class Measurement:
 
 def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard: str | None = None,
                  executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-                 memory=None) -> Measurement:
+                 memory: MemoryConfig | None = None) -> Measurement:
     """This rank's measurement of one step of ``spec`` in the report's ``mode`` (``fsdp2``, ``thunder-fsdp``,
     ``jit``), with ``FSDPMemoryTransform`` configured by ``memory`` (None: without it)."""
     if (mode, memory is not None) not in TRAINERS:
@@ -90,8 +85,9 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
     recorder = _Recorder(rank.device)
     probe = MemoryProbeTransform(recorder)
     name = TRAINERS[mode, memory is not None]
-    trainer = modes.build(name, spec, rank, shard=shard or "zero2", executors=executors, dtype=dtype, memory=memory,
-                          probe=probe)
+    configured = {"memory": memory} if memory is not None else {}
+    trainer = modes.build(name, spec, rank, shard=shard or "zero2", executors=executors, dtype=dtype, probe=probe,
+                          **configured)
     idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
     for _ in range(WARMUP):
         trainer.step(idx, targets)
@@ -108,8 +104,6 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
 
 def gather(measurement: Measurement) -> list[Measurement] | None:
     """Every rank's measurement on rank 0 (None on the others); the one alone without a process group."""
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         return [measurement]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -160,8 +154,6 @@ class _Recorder:
             self.peak = max([self.after_probes, *(s[3] for s in self.samples)])
             self.step_peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
             return
-        from thunder_fsdp_mem.cpu_memory import CPUMemory
-
         with CPUMemory(trainer.model, trainer.optimizer, idx, targets) as self.cpu_memory:
             self.active = True
             yield
@@ -184,95 +176,3 @@ def _runs(samples: list[tuple[int, int, int, int]], probe: MemoryProbeTransform)
         Run(tag, probe.kinds[tag], tuple(b.sym.name for b in probe.traces[tag].bound_symbols), tuple(got))
         for tag, got in runs
     )
-
-
-# --- the prediction beside the measurement -------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Comparison:
-    """The prediction beside the measured rank (the one with the highest peak).
-
-    ``points``: one per paired sample, (position on the prediction's timeline, measured, predicted): the peaks
-    over the stretch since the previous sample.
-    ``measured_at_predicted_peak``: the measured peak over the
-    stretch that holds the predicted peak. ``stages``: (stage, predicted, measured) peaks over the stretches of
-    the forward's samples, of the backward's (from the end of the forward: the loss included), and of both.
-    ``step_peak_bytes``: the measured peak with the optimizer step, which the prediction does not model.
-    ``paired``: runs paired with a phase; ``unpaired``: runs of traces with a backward, and phases with a trace,
-    left without a partner ((0, 0) when the measured step ran the traces the prediction has)."""
-
-    predicted_peak_bytes: int
-    measured_peak_bytes: int
-    rank: int
-    ranks_peak_bytes: tuple[int, ...]
-    device_type: str
-    trainer: str
-    measured_at_predicted_peak: int | None
-    measured_peak_where: str
-    step_peak_bytes: int
-    stages: tuple[tuple[str, int, int], ...]
-    points: tuple[tuple[int, int, int], ...]
-    paired: int
-    unpaired: tuple[int, int]
-
-    @property
-    def error(self) -> float:
-        """(predicted - measured) / measured at the step's peak."""
-        return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
-
-
-def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
-    """``step``'s prediction beside the rank of ``measurements`` with the highest peak."""
-    measured = max(measurements, key=lambda m: m.peak_bytes)
-    predicted, marks = timeline(step)
-    starts = [start for _, start in marks] + [len(predicted)]
-    traced = [(i, _kind(p.name)) for i, p in enumerate(step.phases) if p.timeline is not None]
-    points: list[tuple[int, int, int]] = []
-    kinds: list[str] = []
-    where: list[str] = []
-    pending = 0  # peaks of unpaired runs, counted towards the next paired sample
-    next_phase, paired, unpaired_runs = 0, 0, 0
-    for run in measured.runs:
-        match = next((j for j in range(next_phase, len(traced)) if traced[j][1] == run.kind), None)
-        if match is None:
-            unpaired_runs += run.kind != "computation"
-            pending = max([pending, *(s.peak_bytes for s in run.samples)])
-            continue
-        phase_index = traced[match][0]
-        next_phase, paired = match + 1, paired + 1
-        start, size = starts[phase_index], starts[phase_index + 1] - starts[phase_index]
-        for s in run.samples:
-            if run.symbols[s.index].startswith("unpack"):  # the prediction counts an input from its unpacking on
-                pending = max(pending, s.peak_bytes)
-                continue
-            pos = start + min(size - 1, s.index * size // len(run.symbols))
-            since = points[-1][0] + 1 if points else 0
-            points.append((pos, max(s.peak_bytes, pending), max(predicted[since:pos + 1], default=0)))
-            kinds.append(run.kind)
-            where.append(f"{step.phases[phase_index].name}, symbol {s.index} ({run.symbols[s.index]})")
-            pending = 0
-    peak_pos = max(range(len(predicted)), key=predicted.__getitem__) if predicted else 0
-    at_peak = next((b for pos, b, _ in points if pos >= peak_pos), measured.after_probes_bytes or None)
-    top = max(range(len(points)), key=lambda i: points[i][1], default=None)
-    if top is None or measured.after_probes_bytes > points[top][1]:
-        where_peak = "after the last probe, before the optimizer step (the end of the backward)"
-    else:
-        where_peak = f"in the stretch up to the probe after {where[top]}"
-
-    def stage(kind: str) -> tuple[int, int]:
-        chosen = [pt for pt, k in zip(points, kinds) if k == kind]
-        return max((pt[2] for pt in chosen), default=0), max((pt[1] for pt in chosen), default=0)
-
-    return Comparison(
-        predicted_peak_bytes=step.peak_bytes, measured_peak_bytes=measured.peak_bytes, rank=measured.rank,
-        ranks_peak_bytes=tuple(m.peak_bytes for m in sorted(measurements, key=lambda m: m.rank)),
-        device_type=measured.device_type, trainer=measured.trainer, measured_at_predicted_peak=at_peak,
-        measured_peak_where=where_peak, step_peak_bytes=measured.step_peak_bytes,
-        stages=(("forward", *stage("forward")), ("backward (the loss included)", *stage("backward")),
-                ("forward and backward", step.peak_bytes, measured.peak_bytes)),
-        points=tuple(points), paired=paired, unpaired=(unpaired_runs, len(traced) - paired),
-    )
-
-
-def _kind(phase_name: str) -> str:
-    return "backward" if phase_name.startswith("backward") else "forward"

@@ -21,23 +21,22 @@ first of a product.
 A bracket is folded only when the float32 result has no other use (nor is a trace output) and every tensor
 operand is an upcast from the same 16-bit dtype; an upcast left without a use is dropped. An element then costs
 4 bytes of traffic instead of 20 (a unary op), and the float32 temporaries are never allocated. The pass is
-pure; ``del``s are placed again at last use. Traces made on the meta device fold as on the device type set by
-``as_on`` (the report's prediction), and not at all outside it.
+pure; ``del``s are placed again at last use (``edit.rebuilt``). Traces made on the meta device fold as on the
+device type set by ``as_on`` (the report's prediction), and not at all outside it.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
-from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem import ops
+from thunder_fsdp_mem.analysis.symbols import def_use, dtype_name, shape, sym_id, tensor_outputs, without_dels
+from thunder_fsdp_mem.passes.edit import rebuilt
 
 _UNARY = frozenset({"neg", "abs", "exp", "expm1", "log", "log1p", "tanh", "sigmoid", "rsqrt", "reciprocal", "cos"})
 _BINARY = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", "minimum"})
@@ -74,9 +73,10 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     """``trace`` with each foldable upcast-op-round bracket run as one op in the 16-bit dtype (see the module's
     docstring); ``trace`` itself when there is none. ``device_type``: the device the trace runs on (None: its
     tensors' own, the meta device as ``as_on`` says)."""
-    bsyms = [b for b in trace.bound_symbols if b.sym.id != PrimIDs.DEL]
-    producer = {o.name: i for i, b in enumerate(bsyms) for o in ops.tensor_outputs(b)}
-    uses = Counter(name for b in bsyms for name in ops.proxy_names(b.args) + ops.proxy_names(b.kwargs))
+    bsyms = without_dels(trace.bound_symbols, clears=False)
+    index = def_use(bsyms)
+    producer = index.producer
+    uses = {name: len(at) for name, at in index.readers.items()}
     folded: dict[int, object] = {}  # index of an op -> the op on 16-bit operands
     dropped: set[int] = set()  # the roundings of the folded ops, then the upcasts left without a use
     upcasts: set[int] = set()
@@ -86,7 +86,7 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
             continue
         wide = rounding.args[0]
         j = producer.get(wide.name)
-        if j is None or uses[wide.name] != 1:
+        if j is None or uses.get(wide.name) != 1:
             continue
         found = _folded(bsyms, producer, bsyms[j], low, rounding.output, device_type)
         if found is None:
@@ -99,30 +99,27 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     if not folded:
         return trace
     dropped |= {k for k in upcasts if uses[bsyms[k].output.name] == 0}
-    new = from_trace(trace)
-    new.bound_symbols = [folded.get(i, b) for i, b in enumerate(bsyms) if i not in dropped]
-    new = ops.dels_at_last_use(new)
-    new.set_provenance(TraceProvenance(f"fold_casts: {len(folded)} ops run in 16 bits"))
-    return new
+    return rebuilt(trace, [folded.get(i, b) for i, b in enumerate(bsyms) if i not in dropped],
+                   f"{len(folded)} ops run in 16 bits")
 
 
 def _rounding(bsym) -> str | None:
     """The 16-bit dtype's short name if ``bsym`` rounds a float32 tensor to bf16 or f16, else None."""
     cast = _cast(bsym)
-    if cast is None or ops.dtype_name(cast[0]) != "f32":
+    if cast is None or dtype_name(cast[0]) != "f32":
         return None
-    low = ops.dtype_name(cast[1])
+    low = dtype_name(cast[1])
     return low if low in _LOW else None
 
 
 def _cast(bsym) -> tuple[TensorProxy, TensorProxy] | None:
     """(operand, result) of a cast that changes only the dtype, else None."""
-    if ops.sym_id(bsym) not in _CASTS or len(bsym.args) != 2 or set(bsym.kwargs) - {"copy"}:
+    if sym_id(bsym) not in _CASTS or len(bsym.args) != 2 or set(bsym.kwargs) - {"copy"}:
         return None
     operand, out = bsym.args[0], bsym.output
     if not (isinstance(operand, TensorProxy) and isinstance(out, TensorProxy)):
         return None
-    if ops.shape(operand) != ops.shape(out) or operand.device != out.device:
+    if shape(operand) != shape(out) or operand.device != out.device:
         return None
     return operand, out
 
@@ -130,18 +127,18 @@ def _cast(bsym) -> tuple[TensorProxy, TensorProxy] | None:
 def _folded(bsyms, producer, op, low: str, out: TensorProxy, device_type: str | None):
     """(the op bound to the 16-bit operands with ``out`` as its output, the indices of the upcasts it no longer
     reads), or None where the bracket cannot be folded."""
-    sid = ops.sym_id(op)
+    sid = sym_id(op)
     on = device_type or _device_type(out)
     if sid not in FOLDABLE.get(on, {}).get(low, ()) or set(op.kwargs) - {"alpha"} or op.kwargs.get("alpha", 1) != 1:
         return None
-    if len(ops.tensor_outputs(op)) != 1 or ops.shape(op.output) != ops.shape(out):
+    if len(tensor_outputs(op)) != 1 or shape(op.output) != shape(out):
         return None
     args, from_upcasts = [], []
     for position, a in enumerate(op.args):
         if isinstance(a, TensorProxy):
             k = producer.get(a.name)
             cast = _cast(bsyms[k]) if k is not None else None
-            if cast is None or ops.dtype_name(cast[0]) != low or ops.dtype_name(cast[1]) != "f32":
+            if cast is None or dtype_name(cast[0]) != low or dtype_name(cast[1]) != "f32":
                 return None
             args.append(cast[0])
             from_upcasts.append(k)

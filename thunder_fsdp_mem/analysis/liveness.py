@@ -5,7 +5,7 @@ Entry point: ``analyze(trace, inputs=None) -> MemoryTimeline``.
 
 The model follows Python's reference counting, because that is what frees a tensor when a trace runs: names,
 collections (the lists a backward receives) and tensors are objects with reference counts; a tensor holds its
-storage; views and aliases are new tensors on the same storage (see ``ops.classify``); ``del`` drops a name,
+storage; views and aliases are new tensors on the same storage (see ``effects.classify``); ``del`` drops a name,
 ``clear_mutable_collection`` drops a list's references, and a storage is freed when nothing refers to it.
 Tensors held outside the trace (module parameters, the caller's inputs) are never freed by it; what the trace
 returns stays alive. On CUDA a reduce-scatter's input stays alive until the wait of its future (NCCL holds it
@@ -26,8 +26,12 @@ from dataclasses import dataclass
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem import layout, ops
-from thunder_fsdp_mem.categories import Category
+from thunder_fsdp_mem.analysis import layout
+from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.effects import Effect, Kind, classify
+from thunder_fsdp_mem.analysis.symbols import (
+    ALL_REDUCE, REDUCE_SCATTER, WAITS, dtype_name, nbytes, proxy_names, shape, sym_id, tensor_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +54,26 @@ class InputSpec:
     nbytes: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+OUTSIDE = -1  # the ``start`` of an allocation held outside the traces (parameters, optimizer state, FSDP2's buffers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Allocation:
-    """One storage: who made it, how big, and the bound-symbol indices where it was allocated and freed
-    (``start`` is the unpack of an input; ``end`` is None when it outlives the trace)."""
+    """One storage: who made it, how big, and the bound-symbol indices where it was allocated and freed.
+
+    ``start``: the index of the symbol that allocated it (0 for the trace's inputs, which the caller passes);
+    ``OUTSIDE`` for an allocation held outside the traces. ``end``: the index where it was freed, None when it
+    outlives the trace. ``external``: held by someone other than the trace, which never frees it."""
 
     name: str
     nbytes: int
     category: Category
-    shape: tuple[int, ...]
-    dtype: str
-    symbol: str
-    source: str | None
-    start: int
-    end: int | None
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    symbol: str = ""
+    source: str | None = None
+    start: int = OUTSIDE
+    end: int | None = None
     external: bool = False
 
     def live_at(self, index: int) -> bool:
@@ -125,6 +135,27 @@ def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None,
     return _Walk(trace, dict(inputs or {}), device_type).run()
 
 
+@dataclass(slots=True)
+class _Record:
+    """An allocation while the walk runs: its category and end change as the trace goes on."""
+
+    name: str
+    nbytes: int
+    category: Category
+    shape: tuple[int, ...]
+    dtype: str
+    symbol: str
+    source: str | None
+    start: int
+    end: int | None = None
+    external: bool = False
+
+    def frozen(self) -> Allocation:
+        return Allocation(name=self.name, nbytes=self.nbytes, category=self.category, shape=self.shape,
+                          dtype=self.dtype, symbol=self.symbol, source=self.source, start=self.start, end=self.end,
+                          external=self.external)
+
+
 class _Walk:
     """One pass over a trace, holding the reference counts of names, collections and storages."""
 
@@ -136,7 +167,7 @@ class _Walk:
         self.obj_refs: list[int] = []
         self.obj_alloc: list[int | None] = []
         self.obj_members: list[list[int] | None] = []
-        self.allocs: list[list] = []  # [name, nbytes, category, shape, dtype, symbol, source, start, end, ext]
+        self.allocs: list[_Record] = []
         self.alloc_refs: list[int] = []
         self.alloc_by_key: dict[Hashable, int] = {}
         self.strides: dict[str, layout.Strides] = {}
@@ -184,15 +215,15 @@ class _Walk:
         self.alloc_refs[alloc] -= 1
         if self.alloc_refs[alloc] == 0:
             record = self.allocs[alloc]
-            self.live -= record[1]
-            record[8] = self.index
+            self.live -= record.nbytes
+            record.end = self.index
 
-    def _allocate(self, t, category: Category, symbol: str, source: str | None, *, nbytes: int | None = None,
+    def _allocate(self, t, category: Category, symbol: str, source: str | None, *, size: int | None = None,
                   external: bool = False) -> int:
-        size = ops.nbytes(t) if nbytes is None else nbytes
+        size = nbytes(t) if size is None else size
         alloc = len(self.allocs)
-        self.allocs.append([t.name, size, category, ops.shape(t), ops.dtype_name(t), symbol, source, self.index,
-                            None, external])
+        self.allocs.append(_Record(t.name, size, category, shape(t), dtype_name(t), symbol, source, self.index,
+                                   external=external))
         self.alloc_refs.append(1 if external else 0)
         self.live += size
         return alloc
@@ -202,9 +233,9 @@ class _Walk:
         spec = self.inputs.get(t.name) or _default_spec(t.name, in_collection, root)
         alloc = self.alloc_by_key.get(spec.storage)
         if alloc is None:
-            alloc = self._allocate(t, spec.category, "input", None, nbytes=spec.nbytes, external=spec.external)
+            alloc = self._allocate(t, spec.category, "input", None, size=spec.nbytes, external=spec.external)
             self.alloc_by_key[spec.storage] = alloc
-        self.strides[t.name] = layout.contiguous_strides(ops.shape(t))
+        self.strides[t.name] = layout.contiguous_strides(shape(t))
         return self._new_obj(t.name, alloc, None)
 
     def _input_collection(self, items, name: str | None, root: str) -> int:
@@ -257,27 +288,27 @@ class _Walk:
         for i, bsym in enumerate(bsyms):
             self.index = i
             symbols.append(bsym.sym.name)
-            effect = ops.classify(bsym, self._strides_of)
-            if effect.kind is ops.Kind.COMPUTE:
+            effect = classify(bsym, self._strides_of)
+            if effect.kind is Kind.COMPUTE:
                 self._compute(bsym, effect)
                 if effect.workspace:
                     workspaces[i] = effect.workspace
                 inside[i] = self.live + effect.workspace
-            elif effect.kind is ops.Kind.UNPACK:
+            elif effect.kind is Kind.UNPACK:
                 self._unpack(bsym)
                 inside[i] = self.live
-            elif effect.kind is ops.Kind.DEL:
+            elif effect.kind is Kind.DEL:
                 inside[i] = self.live
                 for p in bsym.flat_proxy_args:
                     obj = self.obj_of.pop(p.name, None)
                     if obj is not None:
                         self._decref(obj)
-            elif effect.kind is ops.Kind.CLEAR:
+            elif effect.kind is Kind.CLEAR:
                 inside[i] = self.live
                 obj = self.obj_of.get(bsym.flat_proxy_args[0].name)
                 if obj is not None:
                     self._clear(obj)
-            elif effect.kind is ops.Kind.RETURN:
+            elif effect.kind is Kind.RETURN:
                 self._return(bsym)
                 inside[i] = self.live
             else:
@@ -291,9 +322,9 @@ class _Walk:
         (Thunder's fsdp unpacks each shard just before its all-gather)."""
         late = [0] * (len(after) + 1)  # bytes of the inputs first named at each index
         for record in self.allocs:
-            if record[5] == "input" and record[7] > 0:
-                late[record[7]] += record[1]
-                record[7] = 0
+            if record.symbol == "input" and record.start > 0:
+                late[record.start] += record.nbytes
+                record.start = 0
         missing = 0
         for i in range(len(after) - 1, -1, -1):
             missing += late[i + 1]
@@ -306,23 +337,23 @@ class _Walk:
             raise KeyError(name)
         return st
 
-    def _compute(self, bsym, effect: ops.Effect) -> None:
-        sid = ops.sym_id(bsym)
+    def _compute(self, bsym, effect: Effect) -> None:
+        sid = sym_id(bsym)
         if not effect.known and sid not in _reported_unknown:
             _reported_unknown.add(sid)
             log.warning("memory model: symbol %r is not known; its outputs are taken as new allocations", sid)
         if not effect.known:
             self.unknown.append(sid)
-        for a in ops.tensor_args(bsym):
+        for a in tensor_args(bsym):
             if a.name not in self.obj_of:
                 self._bind(a, root=a.name)
-        if sid in (ops.REDUCE_SCATTER, ops.ALL_REDUCE):
-            first = ops.tensor_args(bsym)[0]
+        if sid in (REDUCE_SCATTER, ALL_REDUCE):
+            first = tensor_args(bsym)[0]
             alloc = self.obj_alloc[self.obj_of[first.name]]
-            if alloc is not None and self.allocs[alloc][2] is Category.TEMPORARY:
-                self.allocs[alloc][2] = Category.COMM_BUFFER
+            if alloc is not None and self.allocs[alloc].category is Category.TEMPORARY:
+                self.allocs[alloc].category = Category.COMM_BUFFER
             on = self.device_type or getattr(first.device, "type", None)
-            if sid == ops.REDUCE_SCATTER and bsym.flat_proxy_outs and on == "cuda":
+            if sid == REDUCE_SCATTER and bsym.flat_proxy_outs and on == "cuda":
                 # NCCL holds the input until the collective is waited for, whatever the trace dels (Thunder has
                 # it stash tensors rather than record streams); gloo on CPU does not.
                 held = self.obj_of[first.name]
@@ -337,18 +368,18 @@ class _Walk:
             if base_obj is not None and self.obj_alloc[base_obj] is not None:
                 alloc = self.obj_alloc[base_obj]
             else:
-                alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source, nbytes=out.nbytes)
+                alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source, size=out.nbytes)
             self.strides[name] = out.strides
             obj = self._new_obj(name, alloc, None)
             self._incref(obj)
-        if sid in ops.WAITS:
+        if sid in WAITS:
             for a in bsym.flat_proxy_args:
                 held = self.held.pop(a.name, None)
                 if held is not None:
                     self._decref(held)
 
     def _return(self, bsym) -> None:
-        for name in ops.proxy_names(bsym.args):
+        for name in proxy_names(bsym.args):
             obj = self.obj_of.get(name)
             if obj is None:
                 continue
@@ -358,23 +389,21 @@ class _Walk:
                 self.returned[name] = alloc
         value = bsym.args[0] if len(bsym.args) == 1 else bsym.args
         if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict) and "output" in value[0]:
-            self.forward_output = ops.proxy_names(value[0]["output"])
-            self.forward_saved = ops.proxy_names(value[1])
+            self.forward_output = proxy_names(value[0]["output"])
+            self.forward_saved = proxy_names(value[1])
 
     def _result(self, after, inside, workspaces, symbols) -> MemoryTimeline:
         self._categorize_returned()
-        allocations = tuple(
-            Allocation(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in self.allocs
-        )
+        allocations = tuple(r.frozen() for r in self.allocs)
         peak_index = max(range(len(inside)), key=inside.__getitem__) if inside else 0
         peak = inside[peak_index] if inside else 0
         live = [a for a in allocations if a.live_at(peak_index)]
         workspace = workspaces.get(peak_index, 0)
         peak_symbol = symbols[peak_index] if symbols else ""
         if workspace:
-            live.append(Allocation(f"workspace of {peak_symbol}", workspace, Category.TEMPORARY, (), "",
-                                   peak_symbol, _source(self.trace.bound_symbols[peak_index]), peak_index,
-                                   peak_index + 1))
+            live.append(Allocation(name=f"workspace of {peak_symbol}", nbytes=workspace, category=Category.TEMPORARY,
+                                   symbol=peak_symbol, source=_source(self.trace.bound_symbols[peak_index]),
+                                   start=peak_index, end=peak_index + 1))
         live.sort(key=lambda a: -a.nbytes)
         return MemoryTimeline(
             peak_bytes=peak,
@@ -399,8 +428,8 @@ class _Walk:
         for names, category in plan:
             for name in names:
                 alloc = self.returned.get(name)
-                if alloc is not None and self.allocs[alloc][2] in (Category.TEMPORARY, Category.COMM_BUFFER):
-                    self.allocs[alloc][2] = category
+                if alloc is not None and self.allocs[alloc].category in (Category.TEMPORARY, Category.COMM_BUFFER):
+                    self.allocs[alloc].category = category
 
 
 _OWNED_COLLECTIONS = ("saved_for_backward", "cotangents")

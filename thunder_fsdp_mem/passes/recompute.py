@@ -26,7 +26,7 @@ many of its outputs are needed. The cut then minimises saved bytes + w x recompu
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
 saved tensors; the backward unpacks them and recomputes the rest just before their first use; a recomputed
 symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is dropped, and ``del``s and
-collection clears are placed again as Thunder's ``del_last_used`` places them (``ops.dels_at_last_use``). Both
+collection clears are placed again as Thunder's ``del_last_used`` places them (``edit.dels_at_last_use``). Both
 functions are pure.
 """
 
@@ -42,20 +42,26 @@ from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_fsdp_mem import ops
+from thunder_fsdp_mem.analysis.symbols import (
+    ELEMENTWISE_OPS, RESHAPE_OPS, UNPACK_IDS, VIEW_OPS, WAITS, def_use, is_copy_into, is_fusion, nbytes, sym_id,
+    tensor_args, tensor_outputs, without_dels,
+)
+from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use
 
 # Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
 # factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
 RECOMPUTABLE_OPS = (
-    ops.ELEMENTWISE_OPS
-    | (ops.VIEW_OPS - ops.WAITS)
-    | ops.RESHAPE_OPS
+    ELEMENTWISE_OPS
+    | (VIEW_OPS - WAITS)
+    | RESHAPE_OPS
     | frozenset({
         "convert_element_type", "broadcast_in_dim", "cat", "torch_pad_prim_impl", "pad", "arange", "full",
         "sum", "var_mean", "mean", "var", "amax", "amin", "prod", "contiguous",
     })
 )
 
+_NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -80,7 +86,7 @@ class SavePlan:
         return bool(self.recompute)
 
 
-class PlanError(ValueError):
+class PlanError(PassError):
     """The trace is not a forward this pass understands, or the plan does not hold together."""
 
 
@@ -98,18 +104,18 @@ def recomputable(bsym) -> bool:
     arguments are all tensors or constants."""
     if any(not isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
         return False  # futures, numbers and collections the backward would not have
-    if ops.is_fusion(bsym):
+    if is_fusion(bsym):
         return bool(bsym.subsymbols) and all(recomputable(s) for s in bsym.subsymbols)
-    return ops.sym_id(bsym) in RECOMPUTABLE_OPS
+    return sym_id(bsym) in RECOMPUTABLE_OPS
 
 
 def recompute_traffic(bsym) -> int:
     """Bytes that running ``bsym`` again reads and writes, the measure of its cost (recomputed ops are bound by
     memory bandwidth): nothing for views and reshapes, which launch no kernel; a fusion's own inputs and outputs
     (one pass); every tensor argument and output otherwise."""
-    if not ops.is_fusion(bsym) and ops.sym_id(bsym) in ops.VIEW_OPS | ops.RESHAPE_OPS | {"broadcast_in_dim"}:
+    if not is_fusion(bsym) and sym_id(bsym) in _NO_KERNEL:
         return 0
-    return sum(ops.nbytes(t) for t in (*ops.tensor_args(bsym), *ops.tensor_outputs(bsym)))
+    return sum(nbytes(t) for t in (*tensor_args(bsym), *tensor_outputs(bsym)))
 
 
 def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
@@ -126,12 +132,12 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
         tensors.update((p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
                        if isinstance(p, TensorProxy))
         sid = bsym.sym.id
-        if sid in ops.UNPACK_IDS:
+        if sid in UNPACK_IDS:
             inputs.update(o.name for o in bsym.flat_proxy_outs)
             continue
         if sid in (PrimIDs.DEL, PrimIDs.RETURN):
             continue
-        if ops.is_copy_into(bsym):
+        if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
         can[i] = recomputable(bsym)
         for o in bsym.flat_proxy_outs:
@@ -141,13 +147,13 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
     can = [c and not any(a.name in written for a in b.flat_proxy_args) for c, b in zip(can, bsyms)]
 
     required = {t.name for t in saved}
-    today = sum(ops.nbytes(t) for t in saved if t.name not in inputs)
+    today = sum(nbytes(t) for t in saved if t.name not in inputs)
     graph = nx.DiGraph()
     for name, t in tensors.items():
         free = name in inputs
         # Doubled sizes, less one for what is saved today: ties keep today's choice.
         graph.add_edge((name, "in"), (name, "out"),
-                       capacity=0 if free else 2 * ops.nbytes(t) - (1 if name in required else 0))
+                       capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0))
         if free or name not in producer or not can[producer[name]]:
             graph.add_edge(_SOURCE, (name, "in"))
     for i, bsym in enumerate(bsyms):
@@ -185,7 +191,7 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
     needed = {a.name for i in recompute for a in bsyms[i].flat_proxy_args} | required
     order = {t.name: k for k, t in enumerate(saved)}
     kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
-    after = sum(ops.nbytes(tensors[n]) for n in kept if n not in inputs)
+    after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
     traffic = sum(recompute_traffic(bsyms[i]) for i in recompute)
     return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
                     traffic_bytes=traffic)
@@ -194,7 +200,7 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
 def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:
     """Both traces rewritten for ``plan``: the forward returns ``plan.saved``; the backward unpacks them and runs
     the forward's symbols ``plan.recompute`` again, each just before the first use of what it computes."""
-    fw_bsyms = [b for b in forward.bound_symbols if b.sym.id != PrimIDs.DEL]
+    fw_bsyms = without_dels(forward.bound_symbols)
     by_name = {}
     for b in forward.bound_symbols:
         for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
@@ -204,11 +210,11 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     new_saved = tuple(by_name[n] for n in plan.saved)
     new_forward = from_trace(forward)
     new_forward.bound_symbols = [*fw_bsyms[:-1], ret.from_bsym(args=(outputs, (new_saved, others)))]
-    new_forward = ops.dels_at_last_use(new_forward)
+    new_forward = dels_at_last_use(new_forward)
     new_forward.set_provenance(TraceProvenance(
-        f"FSDPMemoryTransform: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}"))
+        f"{PROVENANCE}: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}"))
 
-    bw = [b for b in backward.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
+    bw = without_dels(backward.bound_symbols)
     unpack_at = _receive(bw, new_saved)
     new_backward = from_trace(backward)
     new_backward.args = ([list(new_saved), *backward.args[0][1:]], *backward.args[1:])
@@ -219,9 +225,8 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
             clones.append(_clone(forward.bound_symbols[i], defined, new_backward))
     new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
     new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
-    new_backward = ops.dels_at_last_use(new_backward, clear_mutable_collections=True)
-    new_backward.set_provenance(TraceProvenance(
-        f"FSDPMemoryTransform: recomputes {len(plan.recompute)} forward symbols"))
+    new_backward = dels_at_last_use(new_backward, clear_mutable_collections=True)
+    new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: recomputes {len(plan.recompute)} forward symbols"))
     return new_forward, new_backward
 
 
@@ -284,7 +289,7 @@ def _drop_repeats(bsyms: list) -> list:
     """``bsyms`` with each cheap deterministic symbol (``recomputable``, not a fusion) that repeats an earlier one
     (same op, same executor, same arguments) dropped, and its outputs' readers reading the earlier outputs instead.
     Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols."""
-    written = {a.name for b in bsyms if ops.is_copy_into(b) for a in b.flat_proxy_args}
+    written = {a.name for b in bsyms if is_copy_into(b) for a in b.flat_proxy_args}
     first: dict[tuple, object] = {}
     swap: dict = {}
     out = []
@@ -292,7 +297,7 @@ def _drop_repeats(bsyms: list) -> list:
     for b in bsyms:
         if swapped and any(a.name in swapped for a in b.flat_proxy_args):
             b = b.from_bsym_swap_proxies(swap, skip_output=True)
-        if not ops.is_fusion(b) and b.flat_proxy_outs and recomputable(b) \
+        if not is_fusion(b) and b.flat_proxy_outs and recomputable(b) \
                 and not any(a.name in written for a in b.flat_proxy_args):
             rhs = b.rhs
             key = (rhs.sym, rhs.args, rhs.kwargs, b.sym.executor)
@@ -309,10 +314,7 @@ def _drop_repeats(bsyms: list) -> list:
 def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
     """``bsyms`` with each clone placed just before the first symbol that reads one of its outputs (or before a
     later clone that does), keeping the clones' own order."""
-    first_use: dict[str, int] = {}
-    for i, b in enumerate(bsyms):
-        for a in b.flat_proxy_args:
-            first_use.setdefault(a.name, i)
+    first_use = def_use(bsyms)
     readers: dict[str, list[int]] = {}  # clones that read a name
     for j, clone in enumerate(clones):
         for a in clone.flat_proxy_args:
@@ -320,7 +322,7 @@ def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
     position = [len(bsyms) - 1] * len(clones)  # before the return at the latest
     for k in range(len(clones) - 1, -1, -1):  # later clones first: a clone goes no later than its readers
         names = [o.name for o in clones[k].flat_proxy_outs]
-        at = min((first_use[n] for n in names if n in first_use), default=len(bsyms) - 1)
+        at = min((first_use.first_reader(n) for n in names if n in first_use.readers), default=len(bsyms) - 1)
         at = min([at, *(position[j] for n in names for j in readers.get(n, ()) if j > k)])
         position[k] = max(at, start)
     out = []

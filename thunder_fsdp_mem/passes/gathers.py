@@ -27,12 +27,17 @@ from dataclasses import dataclass
 
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy
-from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
+from thunder.core.trace import TraceCtx, TraceProvenance
 
-from thunder_fsdp_mem import ops, recompute
+from thunder_fsdp_mem.analysis.symbols import (
+    ALL_GATHER, UNPACK_IDS, WAIT, def_use, is_del, nbytes, sym_id, without_dels,
+)
+from thunder_fsdp_mem.passes import recompute
+from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.edit import PROVENANCE, rebuilt
 
 
-class GatherError(ValueError):
+class GatherError(PassError):
     """The trace's all-gathers are not in a form these passes know; the message names what did not match."""
 
 
@@ -51,10 +56,10 @@ def match(bsyms: list) -> tuple[Gather, ...]:
     issued: dict[str, tuple[int, str]] = {}  # future -> (index, shard)
     waited: dict[str, tuple[int, str]] = {}  # future -> (index of its wait, gathered)
     for i, b in enumerate(bsyms):
-        if b.sym.id == PrimIDs.DEL:
+        if is_del(b, clears=False):
             continue
-        sid = ops.sym_id(b)
-        if sid == ops.ALL_GATHER:
+        sid = sym_id(b)
+        if sid == ALL_GATHER:
             shard = b.args[0] if b.args else None
             if not isinstance(shard, TensorProxy) or len(b.flat_proxy_outs) != 1:
                 raise GatherError(f"all-gather at symbol {i} does not gather one tensor into one future")
@@ -63,7 +68,7 @@ def match(bsyms: list) -> tuple[Gather, ...]:
         for a in b.flat_proxy_args:
             if a.name not in issued:
                 continue
-            if sid != "torch_wait_prim_impl" or a.name in waited or len(b.flat_proxy_outs) != 1:
+            if sid != WAIT or a.name in waited or len(b.flat_proxy_outs) != 1:
                 raise GatherError(f"the future {a.name} of an all-gather is read by {b.sym.name} at symbol {i}")
             waited[a.name] = (i, b.flat_proxy_outs[0].name)
     missing = sorted(set(issued) - set(waited))
@@ -75,7 +80,7 @@ def match(bsyms: list) -> tuple[Gather, ...]:
 
 def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: bool = False) -> TraceCtx:
     """``trace`` with its all-gathers issued just early enough (see the module's docstring)."""
-    bsyms = [b for b in trace.bound_symbols if b.sym.id not in (PrimIDs.DEL, "clear_mutable_collection")]
+    bsyms = without_dels(trace.bound_symbols)
     found = match(bsyms)
     if not found:
         return trace
@@ -83,10 +88,7 @@ def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: boo
     gathers = match(bsyms)  # the same all-gathers, at their new indices
     by_wait = sorted(gathers, key=lambda g: g.wait)
     returned = {a.name for a in bsyms[-1].flat_proxy_args} if bsyms[-1].sym.id == PrimIDs.RETURN else set()
-    last_read: dict[str, int] = {}
-    for i, b in enumerate(bsyms[:-1]):
-        for a in b.flat_proxy_args:
-            last_read[a.name] = i
+    index = def_use(bsyms[:-1])
     top = min(g.gather for g in gathers)
     before: dict[int, list[int]] = defaultdict(list)
     after: dict[int, list[int]] = defaultdict(list)
@@ -94,7 +96,7 @@ def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: boo
     for j in range(max_inflight + 1, len(by_wait)):
         done = by_wait[j - max_inflight - 1]
         # After gather j - max_inflight - 1 is waited for, and after its last use where this trace frees it.
-        anchor = done.wait if done.gathered in returned else max(done.wait, last_read.get(done.gathered, 0))
+        anchor = done.wait if done.gathered in returned else max(done.wait, index.last_reader(done.gathered, 0))
         if anchor < by_wait[j].wait:
             after[anchor].append(by_wait[j].gather)
         else:
@@ -106,25 +108,17 @@ def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: boo
         if i not in moved:
             out.append(b)
         out.extend(bsyms[k] for k in after.get(i, ()))
-    if len(out) == len(trace.bound_symbols) and all(a is b for a, b in zip(out, trace.bound_symbols)):
-        return trace
-    new = from_trace(trace)
-    new.bound_symbols = out
-    new = ops.dels_at_last_use(new, clear_mutable_collections=clear_mutable_collections)
-    new.set_provenance(TraceProvenance(f"FSDPMemoryTransform: all-gathers in a window of {max_inflight}"))
-    return new
+    return rebuilt(trace, out, f"all-gathers in a window of {max_inflight}",
+                   clear_mutable_collections=clear_mutable_collections)
 
 
 def _sink_waits(bsyms: list, gathers: tuple[Gather, ...]) -> list:
     """``bsyms`` with each wait moved down to just before the first symbol that reads what it returns."""
     waits = {g.wait: g.gathered for g in gathers}
-    first_reader: dict[str, int] = {}
-    for i, b in enumerate(bsyms):
-        for a in b.flat_proxy_args:
-            first_reader.setdefault(a.name, i)
+    index = def_use(bsyms)
     before: dict[int, list[int]] = defaultdict(list)
     for i, name in sorted(waits.items()):
-        before[first_reader.get(name, len(bsyms) - 1)].append(i)
+        before[index.first_reader(name, len(bsyms) - 1)].append(i)
     out = []
     for i, b in enumerate(bsyms):
         out.extend(bsyms[k] for k in before.get(i, ()))
@@ -138,7 +132,7 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     again. Returns the traces unchanged when the forward saves no gathered parameter of a forward input."""
     bsyms = forward.bound_symbols
     inputs = {a.name for a in forward.args if isinstance(a, Proxy)}
-    inputs.update(o.name for b in bsyms if b.sym.id in ops.UNPACK_IDS for o in b.flat_proxy_outs)
+    inputs.update(o.name for b in bsyms if b.sym.id in UNPACK_IDS for o in b.flat_proxy_outs)
     saved = [t.name for t in recompute.saved_tensors(forward)]
     by_gathered = {g.gathered: g for g in match(bsyms) if g.shard in inputs}
     again = [by_gathered[n] for n in saved if n in by_gathered]
@@ -150,12 +144,11 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
         if name not in new_saved:
             new_saved.append(name)
     tensors = {p.name: p for b in bsyms for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
-    before = sum(ops.nbytes(tensors[n]) for n in saved if n not in inputs)
-    after = sum(ops.nbytes(tensors[n]) for n in new_saved if n not in inputs)
+    before = sum(nbytes(tensors[n]) for n in saved if n not in inputs)
+    after = sum(nbytes(tensors[n]) for n in new_saved if n not in inputs)
     plan = recompute.SavePlan(saved=tuple(new_saved),
                               recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
                               before_bytes=before, after_bytes=after)
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
-    new_backward.set_provenance(TraceProvenance(
-        f"FSDPMemoryTransform: gathers {len(again)} parameters again in backward"))
+    new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: gathers {len(again)} parameters again in backward"))
     return new_forward, new_backward

@@ -7,7 +7,7 @@ from __future__ import annotations
 from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem import ops
+from thunder_fsdp_mem.analysis.symbols import COLLECTIVES, proxy_names, sym_id
 
 
 class CheckError(ValueError):
@@ -16,7 +16,7 @@ class CheckError(ValueError):
 
 def check_program(trace: TraceCtx) -> None:
     """Every proxy a symbol reads is a trace argument or an earlier output, and has not been deleted."""
-    alive = set(ops.proxy_names(trace.args)) | set(ops.proxy_names(trace.kwargs))
+    alive = set(proxy_names(trace.args)) | set(proxy_names(trace.kwargs))
     deleted: dict[str, int] = {}
     for i, bsym in enumerate(trace.bound_symbols):
         for a in bsym.flat_proxy_args:
@@ -42,7 +42,7 @@ def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool =
         if out.sym.id != PrimIDs.RETURN:
             raise CheckError("the trace does not end in its return")
         args = out.args[0] if ignore_saved else out.args
-        return ops.proxy_names(args)
+        return proxy_names(args)
 
     if returned(before) != returned(after):
         raise CheckError("the rewritten trace returns different values")
@@ -50,8 +50,8 @@ def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool =
 
 def collectives(trace: TraceCtx) -> list[tuple[str, tuple[str, ...]]]:
     """The trace's collectives as (op, argument names), in order."""
-    return [(ops.sym_id(b), tuple(ops.proxy_names(b.args))) for b in trace.bound_symbols
-            if ops.sym_id(b) in ops.COLLECTIVES]
+    return [(sym_id(b), tuple(proxy_names(b.args))) for b in trace.bound_symbols
+            if sym_id(b) in COLLECTIVES]
 
 
 def check_same_collectives(before: TraceCtx, after: TraceCtx, *, ordered: bool = True, added=()) -> None:
@@ -67,6 +67,7 @@ def check_same_collectives(before: TraceCtx, after: TraceCtx, *, ordered: bool =
 
 def check_rewrite(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False, ordered: bool = True,
                   added=()) -> None:
+    """All three checks of ``after``, the rewrite of ``before`` (see each)."""
     check_program(after)
     check_same_result(before, after, ignore_saved=ignore_saved)
     check_same_collectives(before, after, ordered=ordered, added=added)

@@ -1,5 +1,6 @@
-"""One training step traced on the meta device as it would run on a target device and world size: no GPU, no
-memory for the model and no other ranks needed.
+"""The meta device as a stand-in for a target device and world size: what a trace made on the meta device would be
+on CUDA or CPU, over fake ranks. The floor below the step's emulation (``emulate``) and the FSDP2 composition
+(``fsdp2``).
 
 - ``fake_ranks(world_size)``: within it, torch.distributed is torch's ``fake`` process group of ``world_size``
   ranks (collectives return at once with the right shapes) and this process is rank 0.
@@ -14,28 +15,17 @@ memory for the model and no other ranks needed.
 - ``casts.as_on(device_type)``: ``FSDPMemoryTransform`` folds casts with the tables of the device a trace runs on;
   a meta trace folds as on ``device_type``.
 - ``as_on(device_type, executors)``: the three above at once.
-- ``trace_step(spec, ...) -> StepMemory``: builds the litgpt model on the meta device, wraps it as the mode says
-  (``thunder.jit``, or Thunder's fsdp over the fake ranks), runs one forward, the eager cross-entropy and the
-  backward, and returns ``estimate_step`` of it with the AdamW state the step would hold. ``mode="fsdp2"`` is
-  composed by ``fsdp2.compose_step`` instead (FSDP2 cannot run on meta).
-
-For Thunder's fsdp on stablecode-3b and Llama-3-8B the estimate is the one the GPU run's own traces give, to the
-byte; under FSDP2, the transform's record on meta is the GPU run's (docs/accuracy.md). Without the ``cat``
-region, ThunderFX's block took another recomputation plan and the fsdp2+mem prediction was 27% high.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
-from thunder_fsdp_mem import casts, models
-
-MODES = ("fsdp2", "thunder-fsdp", "jit")
-SHARDS = ("zero2", "zero3")
-DEVICE_TYPES = ("cuda", "cpu")
+from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
+from thunder_fsdp_mem.passes import casts
 
 
 @contextmanager
@@ -126,47 +116,3 @@ def as_on(device_type: str, executors: list) -> Iterator[None]:
     the torch.compile executors' claims and the casts ``FSDPMemoryTransform`` folds."""
     with attention_as_on(device_type), executors_as_on(device_type, executors), casts.as_on(device_type):
         yield
-
-
-def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None = None, world_size: int = 1,
-               device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-               executors: str = "default+cat", memory=None):
-    """The estimated memory of one step (``StepMemory``) of ``spec`` on ``world_size`` ranks of ``device_type``,
-    traced on the meta device. ``mode``: ``jit`` (one process), ``thunder-fsdp`` (Thunder's fsdp) or ``fsdp2``
-    (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
-    ``executors``: ``runtime.executors``' choice. ``memory``: a ``MemoryConfig`` to run ``FSDPMemoryTransform``
-    with, None for none."""
-    import thunder
-
-    from thunder_fsdp_mem import fsdp2, runtime
-    from thunder_fsdp_mem.step import estimate_step
-    from thunder_fsdp_mem.transform import FSDPMemoryTransform
-
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    if mode == "jit" and (shard is not None or world_size != 1):
-        raise ValueError("mode jit runs one process: no shard and a world size of 1")
-    if mode != "jit" and shard not in SHARDS:
-        raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
-    if mode == "fsdp2":
-        return fsdp2.compose_step(spec, world_size=world_size, shard=shard, device_type=device_type, dtype=dtype,
-                                  micro_batch_size=micro_batch_size, executors=executors, memory=memory)
-    transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
-    ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
-    chosen = runtime.executors(executors)
-    with ranks, as_on(device_type, chosen):
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            from litgpt import GPT
-
-            gpt = GPT(spec.config())
-        gpt = gpt.to(dtype)
-        jitted = thunder.jit(gpt, executors=chosen, transforms=transforms)
-        if mode == "thunder-fsdp":
-            jitted = runtime.thunder_fsdp(jitted, shard=shard, device=torch.device("meta"))
-        idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
-        logits = jitted(idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        loss.backward()
-        optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
-        return estimate_step(jitted, loss="cross_entropy", optimizer=optimizer, device_type=device_type)

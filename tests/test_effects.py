@@ -1,0 +1,76 @@
+"""effects.classify: what one bound symbol allocates, aliases and needs as workspace, against what torch itself does
+with the same op on real tensors (a shared storage, a copy, the strides)."""
+
+import thunder
+import thunder.torch as ltorch
+import torch
+
+from thunder_fsdp_mem.analysis import layout
+from thunder_fsdp_mem.analysis.effects import Kind, classify
+from thunder_fsdp_mem.analysis.symbols import shape
+
+
+def _effects(fn, *args):
+    """Each bound symbol of ``fn``'s trace with its effect, strides followed as ``liveness`` follows them."""
+    trace = thunder.trace()(fn, *args)
+    strides = {}
+    out = []
+    for b in trace.bound_symbols:
+        for p in b.flat_proxy_outs:
+            if b.sym.name == "unpack_trivial" and hasattr(p, "shape"):
+                strides[p.name] = layout.contiguous_strides(shape(p))
+        effect = classify(b, strides.__getitem__)
+        for o in effect.outputs:
+            strides[o.proxy.name] = o.strides
+        out.append((b, effect))
+    return out
+
+
+def _by_name(effects, name):
+    return next(e for b, e in effects if b.sym.name == name)
+
+
+def transposed_then_flat(x):
+    t = ltorch.transpose(x, 0, 1)
+    return ltorch.reshape(t, (32,)), ltorch.reshape(x, (32,))
+
+
+def test_a_view_aliases_and_a_reshape_copies_only_where_torch_copies():
+    x = torch.randn(4, 8)
+    effects = _effects(transposed_then_flat, x)
+    transpose = _by_name(effects, "transpose")
+    assert transpose.kind is Kind.COMPUTE and transpose.outputs[0].base is not None
+    assert transpose.outputs[0].strides == x.t().stride()
+    first, second = [e for b, e in effects if b.sym.name == "reshape"]
+    # torch: reshaping the transposed tensor copies it, reshaping the contiguous one is a view.
+    assert x.t().reshape(32).untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert first.outputs[0].base is None
+    assert x.reshape(32).untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert second.outputs[0].base is not None
+
+
+def permuted_matmul(q, v):
+    return ltorch.matmul(q, ltorch.permute(v, (0, 2, 3, 1)))
+
+
+def test_matmul_workspace_is_the_operand_torch_copies():
+    q, v = torch.randn(2, 4, 8, 16), torch.randn(2, 8, 4, 16)
+    matmul = _by_name(_effects(permuted_matmul, q, v), "matmul")
+    # torch folds (2, 4, 16, 8) to (8, 16, 8) for bmm: the permuted operand cannot be viewed so, it is copied.
+    assert matmul.workspace == 2 * 8 * 4 * 16 * 4
+    assert _by_name(_effects(lambda a, b: ltorch.matmul(a, b), q, torch.randn(2, 4, 16, 8)), "matmul").workspace == 0
+
+
+def test_a_softmax_in_another_dtype_converts_its_input():
+    # The execution trace's torch.softmax (the torch executor claims it whole) converts a bf16 input to float32
+    # before it runs: a float32 copy of the input it does not return.
+    jitted = thunder.jit(lambda t: torch.softmax(t, -1, dtype=torch.float32))
+    jitted(torch.randn(4, 8, dtype=torch.bfloat16))
+    softmax = next(b for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.name == "softmax")
+    effect = classify(softmax, lambda name: (8, 1))
+    assert effect.workspace == 4 * 8 * 4 and effect.outputs[0].base is None
+
+
+def test_del_return_and_unpack_are_not_compute():
+    kinds = [e.kind for _, e in _effects(lambda t: ltorch.exp(t), torch.randn(3))]
+    assert kinds == [Kind.UNPACK, Kind.COMPUTE, Kind.RETURN]

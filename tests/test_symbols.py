@@ -1,0 +1,67 @@
+"""symbols: the trace vocabulary every module shares, against hand-counted traces and Thunder's own tables."""
+
+import thunder
+import thunder.torch as ltorch
+import torch
+from thunder.core.prims import PrimIDs
+from thunder.executors.passes import del_last_used
+
+from thunder_fsdp_mem.analysis import symbols
+
+
+def square_of_exp(x):
+    a = ltorch.exp(x)
+    return ltorch.sum(ltorch.mul(a, a))
+
+
+def test_def_use_lists_each_read_at_its_position():
+    trace = thunder.trace()(square_of_exp, torch.randn(4, 8))
+    # unpack x (0), exp (1), mul (2), sum (3), return (4)
+    assert [b.sym.name for b in trace.bound_symbols] == ["unpack_trivial", "exp", "mul", "sum", "python_return"]
+    x, a = trace.bound_symbols[0].output.name, trace.bound_symbols[1].output.name
+    index = symbols.def_use(trace.bound_symbols)
+    assert index.producer[a] == 1
+    assert index.readers[a] == (2, 2)  # mul reads it twice
+    assert index.uses(a) == 2 and index.first_reader(a) == 2 and index.last_reader(a) == 2
+    assert index.readers[x] == (1,)
+    assert index.last_reader("no such name", -1) == -1
+
+
+def test_without_dels_drops_what_del_last_used_added():
+    trace = thunder.trace()(square_of_exp, torch.randn(4, 8))
+    with_dels = del_last_used(trace)
+    dels = [b for b in with_dels.bound_symbols if b.sym.id == PrimIDs.DEL]
+    assert dels  # Thunder placed some
+    assert symbols.without_dels(with_dels.bound_symbols) == list(trace.bound_symbols)
+
+
+def test_sizes_shapes_and_names_by_hand():
+    trace = thunder.trace()(square_of_exp, torch.randn(4, 8, dtype=torch.bfloat16))
+    a = trace.bound_symbols[1].output
+    assert symbols.shape(a) == (4, 8)
+    assert symbols.nbytes(a) == 4 * 8 * 2
+    assert symbols.dtype_name(a) == "bf16"
+    assert symbols.dtype_name(torch.empty(2, dtype=torch.float32)) == "f32"  # held tensors are spelled alike
+    assert symbols.sym_id(trace.bound_symbols[1]) == "exp"  # a thunder.torch symbol by its short name
+
+
+def test_view_ops_are_thunders_and_the_waits():
+    # Thunder's own set of symbols that return views is taken as it is; a collective's wait returns a view too.
+    assert {s.name for s in ltorch._syms_returning_views} <= symbols.VIEW_OPS
+    assert symbols.WAIT in symbols.VIEW_OPS
+    assert not {"reshape", "contiguous", "to"} & symbols.VIEW_OPS  # views only where torch can view: RESHAPE_OPS
+
+
+def test_view_prims_are_named_for_the_torch_op_with_their_semantics():
+    def f(x):
+        return thunder.prims.broadcast_in_dim(x, (3, 4, 8), (1, 2))
+
+    trace = thunder.trace()(f, torch.randn(4, 8))
+    prim = next(b for b in trace.bound_symbols if b.sym.id == PrimIDs.BROADCAST_IN_DIM)
+    assert symbols.sym_id(prim) == "expand"
+
+
+def test_proxy_names_walk_nested_arguments():
+    trace = thunder.trace()(square_of_exp, torch.randn(4, 8))
+    a = trace.bound_symbols[1].output
+    assert symbols.proxy_names({"k": [a, (a, 3)], "n": None}) == [a.name, a.name]

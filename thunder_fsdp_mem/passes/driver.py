@@ -1,0 +1,174 @@
+"""The pass driver: every pass of ``FSDPMemoryTransform`` is run, checked, judged and recorded the same way.
+
+A pass (``Pass``) takes a forward and its backward (``Pair``) and proposes a new pair (``Proposal``); it may read the
+estimate of the pair it is given (``Context.estimate``). ``run_passes(pair, passes, on_refused)`` runs each in
+order and, for each:
+- times it;
+- where the proposal is the pair itself, records ``UNCHANGED``;
+- checks each rewritten trace (``checks.check_rewrite``, with what the pass says may differ: the saved tensors,
+  the order of collectives it schedules itself, the collectives it adds);
+- estimates the proposal with ``step.estimate_traces``, the one estimator (a pass that already judged its
+  proposal with it hands the estimate over; a proposal with the forward unchanged reuses the forward's analysis),
+  and keeps it only if the step's estimated peak does not rise (``APPLIED``, else ``RAISES_PEAK``);
+- where the pass raises ``PassError`` (a trace it does not understand) or a check fails, records ``REFUSED`` with
+  the reason and calls ``on_refused`` (the transform warns, or raises under ``strict``); the next pass goes on from
+  the pair as it was.
+Every run of every pass leaves one typed ``Rewrite``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from thunder.core.trace import TraceCtx
+
+from thunder_fsdp_mem.analysis.step import StepMemory, estimate_traces
+from thunder_fsdp_mem.passes.checks import CheckError, check_rewrite
+
+log = logging.getLogger(__name__)
+
+
+class PassError(ValueError):
+    """A pass met a trace it does not understand; the message says what did not match."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """A forward execution trace and its backward."""
+
+    forward: TraceCtx
+    backward: TraceCtx
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """What a rewritten trace may do differently (``checks.check_rewrite``): return other saved tensors
+    (``ignore_saved``), issue its collectives in an order of its own (``ordered=False``), issue ``added`` ones."""
+
+    ignore_saved: bool = False
+    ordered: bool = True
+    added: tuple = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """A pass's new pair, what its checks allow, what it says it did (``note``), and, where the pass judged it with
+    the estimator already, its ``estimate``."""
+
+    forward: TraceCtx
+    backward: TraceCtx
+    forward_checks: Checks = Checks()
+    backward_checks: Checks = Checks()
+    note: str = ""
+    estimate: StepMemory | None = None
+
+
+class Context:
+    """What a pass may read besides the pair: the estimate of the pair it is given, made once when first asked."""
+
+    def __init__(self, pair: Pair, estimate: StepMemory | None = None):
+        self.pair = pair
+        self._estimate = estimate
+
+    def estimate(self) -> StepMemory:
+        if self._estimate is None:
+            self._estimate = estimate_traces(self.pair.forward, self.pair.backward)
+        return self._estimate
+
+    @property
+    def estimated(self) -> StepMemory | None:
+        return self._estimate
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """One pass: its ``name``, and ``run(pair, context) -> Proposal``. ``after``: the name of a pass that must have
+    been applied earlier in the same run for this one to run (a pass that only finds work after another's)."""
+
+    name: str
+    run: Callable[[Pair, Context], Proposal]
+    after: str | None = None
+
+
+class Outcome(str, Enum):
+    """What became of one pass on one pair."""
+
+    APPLIED = "applied"
+    UNCHANGED = "nothing to change"
+    RAISES_PEAK = "kept out: it would raise the estimated peak"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """One pass on one forward/backward pair: what became of it, the step's estimated peak and saved-for-backward
+    bytes before and after (None where nothing was estimated), the seconds it took (checks and estimates
+    included), and ``note``: what the pass did, or why it was refused. ``pair``: which pair the transform saw (0 for
+    the first)."""
+
+    pass_name: str
+    outcome: Outcome
+    pair: int = 0
+    peak_before: int | None = None
+    peak_after: int | None = None
+    saved_before: int | None = None
+    saved_after: int | None = None
+    seconds: float = 0.0
+    note: str = ""
+
+
+def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str, str], None],
+               index: int = 0) -> tuple[Pair, tuple[Rewrite, ...]]:
+    """The pair after every pass of ``passes`` (see the module's docstring), and one ``Rewrite`` per pass that ran.
+    ``on_refused(pass name, reason)`` is called for each refusal; ``index``: the pair's number in the records."""
+    records: list[Rewrite] = []
+    applied: set[str] = set()
+    context = Context(pair)
+    for p in passes:
+        if p.after is not None and p.after not in applied:
+            continue
+        start = time.perf_counter()
+        record, pair, context = _run_one(p, pair, context, index)
+        record = replace(record, seconds=time.perf_counter() - start)
+        records.append(record)
+        if record.outcome is Outcome.APPLIED:
+            applied.add(p.name)
+        elif record.outcome is Outcome.REFUSED:
+            on_refused(p.name, record.note)
+        log.debug("FSDPMemoryTransform pass %s on pair %d: %s (peak %s -> %s) in %.3f s", p.name, index,
+                  record.outcome.value, record.peak_before, record.peak_after, record.seconds)
+    return pair, tuple(records)
+
+
+def _run_one(p: Pass, pair: Pair, context: Context, index: int) -> tuple[Rewrite, Pair, Context]:
+    try:
+        proposal = p.run(pair, context)
+        if proposal.forward is pair.forward and proposal.backward is pair.backward:
+            return Rewrite(p.name, Outcome.UNCHANGED, index, note=proposal.note), pair, context
+        if proposal.forward is not pair.forward:
+            check_rewrite(pair.forward, proposal.forward, **_kwargs(proposal.forward_checks))
+        if proposal.backward is not pair.backward:
+            check_rewrite(pair.backward, proposal.backward, **_kwargs(proposal.backward_checks))
+    except (PassError, CheckError) as e:
+        return Rewrite(p.name, Outcome.REFUSED, index, note=str(e)), pair, context
+    before = context.estimate()
+    after = proposal.estimate
+    if after is None:
+        reuse = before if proposal.forward is pair.forward else None
+        after = estimate_traces(proposal.forward, proposal.backward, reuse=reuse)
+    figures = dict(peak_before=before.peak_bytes, peak_after=after.peak_bytes, saved_before=before.saved_bytes,
+                   saved_after=after.saved_bytes)
+    if after.peak_bytes > before.peak_bytes:
+        log.info("FSDPMemoryTransform: %s kept out, it would raise the estimated peak from %d to %d bytes", p.name,
+                 before.peak_bytes, after.peak_bytes)
+        return Rewrite(p.name, Outcome.RAISES_PEAK, index, note=proposal.note, **figures), pair, context
+    new = Pair(proposal.forward, proposal.backward)
+    return Rewrite(p.name, Outcome.APPLIED, index, note=proposal.note, **figures), new, Context(new, after)
+
+
+def _kwargs(checks: Checks) -> dict:
+    return {"ignore_saved": checks.ignore_saved, "ordered": checks.ordered, "added": checks.added}
