@@ -79,6 +79,21 @@ def test_a_repeated_cheap_symbol_runs_once_and_its_readers_read_the_first():
     assert mul.args[0].name == cast and add.args[1].name == cast  # both readers read the one cast
 
 
+def test_a_repeated_symbol_the_trace_returns_is_kept():
+    # Two gradients computed the same way, as the output biases' under a float32 parallel residual: both are
+    # returned, so both stay and the return is unchanged; a third repeat, which nothing returns, reads the first.
+    def g(a):
+        return ltorch.sum(a, (0, 1)), ltorch.sum(a, (0, 1)), ltorch.sum(a, (0, 1)) * 2
+
+    trace = thunder.trace()(g, torch.randn(2, 4, 8))
+    kept = recompute._drop_repeats(list(trace.bound_symbols))
+    deduped = thunder.core.trace.from_trace(trace)
+    deduped.bound_symbols = kept
+    checks.check_program(deduped)
+    checks.check_same_result(trace, deduped)
+    assert [b.sym.name for b in kept].count("sum") == 2
+
+
 def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(traces):
     forward, backward, x, w = traces
     new_forward, new_backward = recompute.apply_plan(forward, backward, recompute.plan_saved(forward))

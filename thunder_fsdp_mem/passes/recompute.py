@@ -288,8 +288,14 @@ def _clone(bsym, defined: set[str], trace: TraceCtx):
 def _drop_repeats(bsyms: list) -> list:
     """``bsyms`` with each cheap deterministic symbol (``recomputable``, not a fusion) that repeats an earlier one
     (same op, same executor, same arguments) dropped, and its outputs' readers reading the earlier outputs instead.
-    Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols."""
+    Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols.
+
+    A symbol whose output the trace returns is never dropped: the rewrite must return what the backward returned
+    (``checks.check_same_result``), and two outputs equal by construction stay two tensors. Under a parallel
+    residual in float32, the gradients of the attention's and the MLP's output biases are both ``sum(g, (0, 1))``
+    of the block's output gradient ``g``; dropping the second would return the first for both."""
     written = {a.name for b in bsyms if is_copy_into(b) for a in b.flat_proxy_args}
+    returned = {a.name for b in bsyms if b.sym.id == PrimIDs.RETURN for a in b.flat_proxy_args}
     first: dict[tuple, object] = {}
     swap: dict = {}
     out = []
@@ -302,11 +308,11 @@ def _drop_repeats(bsyms: list) -> list:
             rhs = b.rhs
             key = (rhs.sym, rhs.args, rhs.kwargs, b.sym.executor)
             earlier = first.get(key)
-            if earlier is not None:
+            if earlier is not None and not any(o.name in returned for o in b.flat_proxy_outs):
                 swap.update((variableify(o), e) for o, e in zip(b.flat_proxy_outs, earlier.flat_proxy_outs))
                 swapped.update(o.name for o in b.flat_proxy_outs)
                 continue
-            first[key] = b
+            first.setdefault(key, b)
         out.append(b)
     return out
 
