@@ -4,9 +4,10 @@
         [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] [--steps 10] \\
         [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--json out.json] [--plot out.png]
 
-A +mem mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1`` (``w``:
-``recompute_weight``, ``ag``: ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``:
-``fold_casts``, 0 or 1).
+A mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1@ex=fused``. A
+Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused``: ``runtime.executors``; else
+``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``, ``ag``:
+``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1.
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -70,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, default=None, help="override the number of blocks")
     p.add_argument("--block-size", type=int, default=8192, help="sequence length of a step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
-    p.add_argument("--shard", choices=("zero2", "zero3"), default="zero2",
+    p.add_argument("--shard", choices=runtime.SHARDS, default="zero2",
                    help="zero2 keeps parameters gathered from forward to backward, zero3 re-gathers")
     p.add_argument("--modes", default="all", help="'all' or a comma-separated list of modes")
     p.add_argument("--steps", type=int, default=10, help="measured steps (median step time)")
@@ -79,8 +80,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
     p.add_argument("--recompute-weight", type=float, default=DEFAULT_RECOMPUTE_WEIGHT,
                    help="MemoryConfig.recompute_weight of the +mem modes")
-    p.add_argument("--executors", choices=("default", "default+cat"), default="default+cat",
-                   help="Thunder executors: its defaults, plus torch.compile for cat (the seed's setting)")
+    p.add_argument("--executors", choices=runtime.EXECUTOR_CHOICES, default="default+cat",
+                   help="Thunder's executors (a mode's @ex= overrides): its defaults, plus torch.compile for cat (the "
+                        "seed's setting), or fused (sdpa, then one fusion executor: nvFuser or torch.compile)")
     p.add_argument("--memory-cap-gb", type=float, default=None,
                    help="cap each rank's GPU memory at this many GB (80 emulates an H100); OOM becomes a row")
     p.add_argument("--jobs", type=int, default=1,
@@ -122,29 +124,51 @@ def validate(args) -> list[str]:
     if args.modes == "all":
         return list(valid)
     chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in chosen if split_variant(m)[0] not in valid]
+    unknown = [m for m in chosen if split_variant(m).base not in valid]
     if unknown or not chosen:
         raise UsageError(f"unknown mode {', '.join(unknown) or repr(args.modes)}; valid modes: {', '.join(valid)}")
     for m in chosen:
-        base, options = split_variant(m)
-        if options and not base.endswith("+mem"):
-            raise UsageError(f"mode {m!r}: only +mem modes take @options")
+        variant = split_variant(m)
+        if variant.memory and not variant.base.endswith("+mem"):
+            raise UsageError(f"mode {m!r}: only +mem modes take the transform's options "
+                             f"({', '.join(k for k in VARIANT_KEYS if k != 'ex')})")
+        if variant.executors is not None and variant.base not in mode_table.THUNDER_MODES:
+            raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
         try:
-            MemoryConfig(**options)
+            MemoryConfig(**variant.memory)
         except (TypeError, ValueError) as e:
             raise UsageError(f"mode {m!r}: {e}") from None
     return chosen
 
 
 VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters",
-                "fold": "fold_casts"}
-_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v]}
+                "fold": "fold_casts", "ex": "executors"}
 
 
-def split_variant(mode: str) -> tuple[str, dict]:
-    """``thunder-fsdp+mem@w=0.1@ag=1`` -> (``thunder-fsdp+mem``, MemoryConfig options): a +mem mode with its own
-    recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters) or folded casts (``fold``:
-    0 or 1), so that one table can hold several."""
+def _executor_choice(value: str) -> str:
+    if value not in runtime.EXECUTOR_CHOICES:
+        raise ValueError(value)
+    return value
+
+
+_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice}
+_EXPECTED = {"fold": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Variant:
+    """A mode with its own options: ``base``, the mode; ``memory``, ``MemoryConfig`` options of a +mem mode;
+    ``executors``, a Thunder mode's executors (None: ``--executors``')."""
+
+    base: str
+    memory: dict
+    executors: str | None = None
+
+
+def split_variant(mode: str) -> Variant:
+    """``thunder-fsdp+mem@w=0.1@ag=1@ex=fused`` -> ``Variant``: a mode with its own executors (``ex``), and for a +mem
+    mode its own recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters) or folded casts
+    (``fold``: 0 or 1), so that one table can hold several."""
     base, *parts = mode.split("@")
     options = {}
     for part in parts:
@@ -154,9 +178,10 @@ def split_variant(mode: str) -> tuple[str, dict]:
         try:
             options[VARIANT_KEYS[key]] = _PARSE[key](value)
         except (KeyError, ValueError):
-            raise UsageError(f"mode {mode!r}: {key} must be {'0 or 1' if key == 'fold' else 'a number'}, got "
-                             f"{value!r}") from None
-    return base, options
+            raise UsageError(f"mode {mode!r}: {key} must be {_EXPECTED.get(key, 'a number')}, got {value!r}") \
+                from None
+    executors = options.pop("executors", None)
+    return Variant(base, options, executors)
 
 
 def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
@@ -169,10 +194,10 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
         sys.stderr.flush()
 
     def one(i: int, mode: str, lock: str | None) -> dict:
-        if split_variant(mode)[0] in mode_table.CUDA_ONLY and args.device != "cuda":
+        if split_variant(mode).base in mode_table.CUDA_ONLY and args.device != "cuda":
             progress(i, mode, "skipped (needs CUDA)")
             return _row(mode, status="skipped: needs CUDA")
-        nproc = 1 if split_variant(mode)[0] in mode_table.SINGLE_MODES else args.nproc_per_node
+        nproc = 1 if split_variant(mode).base in mode_table.SINGLE_MODES else args.nproc_per_node
         progress(i, mode, f"running on {nproc} rank(s), compiling first...")
         start = time.perf_counter()
         row = _run_mode(args, mode, nproc, lock)
@@ -255,8 +280,10 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    base = next((r["peak_bytes"] for r in rows if r["mode"] == mode_table.BASELINE and r["peak_bytes"]), None)
-    lines = [f"| mode | status | peak allocated | vs {mode_table.BASELINE} | peak reserved | alloc retries | step | "
+    baseline = next((r for b in mode_table.BASELINES for r in rows if r["mode"] == b and r["peak_bytes"]), None)
+    base = baseline["peak_bytes"] if baseline else None
+    lines = [f"| mode | status | peak allocated | vs {baseline['mode'] if baseline else 'torch.compile'} | "
+             "peak reserved | alloc retries | step | "
              "tokens/s | estimated peak | estimate error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         peak, est = r["peak_bytes"], r["estimated_peak_bytes"]
@@ -334,7 +361,7 @@ def worker(args) -> int:
     if args.memory_cap_gb is not None and args.device == "cuda":
         total = torch.cuda.get_device_properties(rank.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 1e9 / total), rank.device)
-    ahead = args.turn_lock is not None and split_variant(args.worker)[0] in mode_table.COMPILES_AHEAD
+    ahead = args.turn_lock is not None and split_variant(args.worker).base in mode_table.COMPILES_AHEAD
     setup = None
     if ahead:
         with _failures_as_status(result):
@@ -369,10 +396,10 @@ def _setup(args, rank, result: dict):
     from thunder_fsdp_mem.training import models
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    mode, options = split_variant(args.worker)
-    trainer = mode_table.build(mode, spec, rank, shard=args.shard, executors=args.executors,
-                               dtype=models.DTYPES[args.dtype],
-                               memory=MemoryConfig(**{"recompute_weight": args.recompute_weight, **options}))
+    variant = split_variant(args.worker)
+    trainer = mode_table.build(variant.base, spec, rank, shard=args.shard,
+                               executors=variant.executors or args.executors, dtype=models.DTYPES[args.dtype],
+                               memory=MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory}))
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
     result.update(_estimate(trainer))

@@ -3,7 +3,8 @@ each model family named; prints one ``RESULT {json}`` line per family, strategy 
 gradient shard are bit for bit equal (also with the transform listed after an FSDPTransform in ``thunder.jit``),
 how many gathered parameters the forward holds at once and saves and how many reduce-scatters the backward has
 in flight at once, with and without, and whether ``gathers.match`` and ``scatters.match`` refuse a trace whose
-future something other than a wait reads."""
+future something other than a wait reads. ``--executors=fused`` runs Thunder's fusion executors instead of its
+defaults (``runtime.executors``), and prints the step's figures only."""
 
 import dataclasses
 import os
@@ -23,8 +24,8 @@ from thunder_fsdp_mem.passes import gathers, recompute, scatters
 from thunder_fsdp_mem.training import models, modes, runtime
 
 
-def _step(mode, spec, rank, shard):
-    trainer = modes.build(mode, spec, rank, shard=shard, executors="default", dtype=torch.bfloat16,
+def _step(mode, spec, rank, shard, executors):
+    trainer = modes.build(mode, spec, rank, shard=shard, executors=executors, dtype=torch.bfloat16,
                           memory=MemoryConfig(strict=True))
     return _run(trainer.model, spec, rank)
 
@@ -142,27 +143,32 @@ def refuses_a_future_read_by_another_symbol(forward) -> bool:
     return False
 
 
-def main(*families: str) -> None:
+def main(*args: str) -> None:
+    families = [a for a in args if not a.startswith("--executors=")]
+    executors = next((a.partition("=")[2] for a in args if a.startswith("--executors=")), "default")
     rank = runtime.init_distributed(os.environ.get("GATHER_WORKER_DEVICE", "cpu"))  # cuda: the same on GPUs
-    for family, shard in ((f, s) for f in families for s in ("zero2", "zero3")):
+    for family, shard in ((f, s) for f in families for s in runtime.SHARDS):
         spec = dataclasses.replace(BY_NAME[family], n_layers=1)
-        loss, grads, forward, backward = _step("thunder-fsdp", spec, rank, shard)
-        loss_m, grads_m, forward_m, backward_m = _step("thunder-fsdp+mem", spec, rank, shard)
-        loss_l, grads_l, forward_l, _ = _step_listed(spec, rank, shard)
+        loss, grads, forward, backward = _step("thunder-fsdp", spec, rank, shard, executors)
+        loss_m, grads_m, forward_m, backward_m = _step("thunder-fsdp+mem", spec, rank, shard, executors)
         most, saved = gathered_at_once(forward)
         most_m, saved_m = gathered_at_once(forward_m)
-        row = {"family": family, "shard": shard, "rank": rank.rank, "loss_equal": bool(torch.equal(loss, loss_m)),
-               "grads_equal": _equal(grads, grads_m), "n_grads": len(grads),
-               "listed_equal": bool(torch.equal(loss, loss_l)) and _equal(grads, grads_l),
-               "listed_saved": gathered_at_once(forward_l)[1],
-               "gathers": len(gathers.match(forward.bound_symbols)),
+        row = {"family": family, "shard": shard, "rank": rank.rank, "executors": executors,
+               "loss_equal": bool(torch.equal(loss, loss_m)), "grads_equal": _equal(grads, grads_m),
+               "n_grads": len(grads), "gathers": len(gathers.match(forward.bound_symbols)),
                "at_once": most, "at_once_mem": most_m, "saved": saved, "saved_mem": saved_m,
+               "gathered_again": sum(ops.sym_id(b) == ops.ALL_GATHER for b in backward_m.bound_symbols),
+               "fusions": sum(ops.is_fusion(b) for b in (*forward.bound_symbols, *backward.bound_symbols)),
                "scatters": sum(ops.sym_id(b) == ops.REDUCE_SCATTER for b in backward.bound_symbols),
-               "scatters_at_once": scatters_in_flight(backward), "scatters_at_once_mem": scatters_in_flight(backward_m),
-               "refuses": refuses_a_future_read_by_another_symbol(forward),
-               "warns": transform_warns_and_keeps(forward, backward),
-               "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
-               "held": inputs_held_until_waits(backward)}
+               "scatters_at_once": scatters_in_flight(backward), "scatters_at_once_mem": scatters_in_flight(backward_m)}
+        if executors == "default":
+            loss_l, grads_l, forward_l, _ = _step_listed(spec, rank, shard)
+            row.update({"listed_equal": bool(torch.equal(loss, loss_l)) and _equal(grads, grads_l),
+                        "listed_saved": gathered_at_once(forward_l)[1],
+                        "refuses": refuses_a_future_read_by_another_symbol(forward),
+                        "warns": transform_warns_and_keeps(forward, backward),
+                        "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
+                        "held": inputs_held_until_waits(backward)})
         runtime.print_result(row)
     dist.destroy_process_group()
 

@@ -28,7 +28,7 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["report", "--world-size", "0"], "--world-size must be at least 1"),
         (["report", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
         (["report", "--plot", "timeline.txt"], "must end in .png, .svg or .pdf"),
-        (["report", "--executors", "nvfuser"], "invalid choice"),
+        (["report", "--executors", "nvfuser"], "(choose from 'default', 'default+cat', 'fused')"),
         (["report", "--model", "Gemma-2-2b", "--n-layers", "1", "--block-size", "16"],
          "--mode fsdp2 does not model final_logit_softcapping"),
         (["frobnicate"], "invalid choice"),

@@ -9,9 +9,10 @@ on CUDA or CPU, over fake ranks. The floor below the step's emulation (``emulate
   the op would be decomposed into a T x T matrix that the GPU never allocates. For ``cuda`` the answer is the one
   torch gives on an H100 or H200 for litgpt's causal attention: flash for 16-bit inputs, memory-efficient for
   float32. For ``cpu`` it is the math kernel, which the executor does not claim, as on a CPU.
-- ``executors_as_on(device_type, executors)``: Thunder's torch.compile executors (``default+cat``'s rotary
-  ``cat`` region) claim CUDA tensors only; for ``cuda`` they claim meta tensors too, and their regions run
-  eagerly on meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the GPU).
+- ``executors_as_on(device_type, executors)``: Thunder's torch.compile executors run their regions eagerly on
+  meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the device; inductor
+  cannot compile for meta). Those that claim CUDA tensors only (``default+cat``'s rotary ``cat`` region) claim
+  meta tensors too for ``cuda``; ``fused``'s, which claims every device's tensors, claims meta ones as it is.
 - ``casts.as_on(device_type)``: ``FSDPMemoryTransform`` folds casts with the tables of the device a trace runs on;
   a meta trace folds as on ``device_type``.
 - ``as_on(device_type, executors)``: the three above at once.
@@ -46,14 +47,14 @@ def fake_ranks(world_size: int) -> Iterator[None]:
 
 @contextmanager
 def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
-    """Thunder's torch.compile executors among ``executors`` claim meta tensors as they claim CUDA ones when
-    ``device_type`` is ``cuda``, and run their regions eagerly (a region allocates its outputs only, as the
-    kernel torch.compile makes of it does on the GPU). Other executors are left as they are."""
+    """Thunder's torch.compile executors among ``executors`` run their regions eagerly (a region allocates its
+    outputs only, as the kernel torch.compile makes of it does on the device), and what they claim on CUDA tensors
+    only they claim on meta tensors too when ``device_type`` is ``cuda``. Other executors are left as they are."""
     import thunder.executors.torch_compile as tc
     from thunder.extend import ImplInfo
 
-    claiming = [ex for ex in executors if isinstance(ex, tc.TorchCompileExecutor)] if device_type == "cuda" else []
-    if not claiming:
+    compiling = [ex for ex in executors if isinstance(ex, tc.TorchCompileExecutor)]
+    if not compiling:
         yield
         return
 
@@ -64,7 +65,13 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
         flat, _ = tree_flatten((args, kwargs))
         return all(a.device.type in ("cuda", "meta") for a in flat if isinstance(a, TensorProxy))
 
-    original_maps = [ex._implmap for ex in claiming]
+    def claimed_as_on(info):
+        if device_type != "cuda" or info.checker is not tc.cuda_device_checker:
+            return info
+        return ImplInfo(symbol=info.symbol, checker=on_cuda_or_meta, execution_transform=info.execution_transform,
+                        grad_transform=info.grad_transform)
+
+    original_maps = [ex._implmap for ex in compiling]
     original_make = tc.make_compiled
 
     def make_eager(*args, **kwargs):
@@ -75,16 +82,14 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
         finally:
             torch.compile = compile_
 
-    for ex in claiming:
-        ex._implmap = {op: ImplInfo(symbol=info.symbol, checker=on_cuda_or_meta,
-                                    execution_transform=info.execution_transform, grad_transform=info.grad_transform)
-                       for op, info in ex._implmap.items()}
+    for ex in compiling:
+        ex._implmap = {op: claimed_as_on(info) for op, info in ex._implmap.items()}
     tc.make_compiled = make_eager
     try:
         yield
     finally:
         tc.make_compiled = original_make
-        for ex, implmap in zip(claiming, original_maps):
+        for ex, implmap in zip(compiling, original_maps):
             ex._implmap = implmap
 
 

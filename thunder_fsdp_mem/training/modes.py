@@ -26,7 +26,7 @@ DISTRIBUTED_MODES = (
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "eager")
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
 COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
-BASELINE = "fsdp2-inductor"
+BASELINES = ("fsdp2-inductor", "inductor")  # torch.compile's rows: what the other rows are measured against
 THUNDER_MODES = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "thunder",
                            "thunder+mem"})
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-EXECUTOR_CHOICES = ("default", "default+cat")
+EXECUTOR_CHOICES = ("default", "default+cat", "fused")
 SHARDS = ("zero2", "zero3")
 
 
@@ -62,8 +62,15 @@ def read_results(text: str) -> list[dict]:
 
 
 def executors(choice: str) -> list:
-    """Thunder's default executors, with a torch.compile executor for ``cat`` first for ``default+cat`` (the
-    seed's ``thunder_inductor_cat``; it claims CUDA tensors only). nvFuser is among the defaults when installed.
+    """Thunder's executors for ``choice``, one of ``EXECUTOR_CHOICES``:
+
+    - ``default``: Thunder's defaults (nvFuser among them when a matching build is installed);
+    - ``default+cat``: the defaults with a torch.compile executor for rotary's ``cat`` first (the seed's
+      ``thunder_inductor_cat``; it claims CUDA tensors only);
+    - ``fused``: Thunder's strongest configuration: its attention executors (cuDNN's where installed, sdpa), then
+      one fusion executor for the rest (nvFuser where a matching build is installed, else Thunder's torch.compile
+      executor without the distributed prims, ``_compile_executor``), then the other defaults without
+      ``torchcompile_xentropy`` (the fusion executor fuses the loss too).
 
     Thunder 0.2.7 names the fusions of every torch.compile executor ``TorchCompile0``, ``TorchCompile1``...
     When two of them claim regions of one trace (``torchcompile_cat`` and the default ``torchcompile_xentropy``
@@ -78,7 +85,32 @@ def executors(choice: str) -> list:
     chosen = list(thunder.get_default_executors())
     if choice == "default+cat":
         chosen.insert(0, _cat_executor())
+    elif choice == "fused":
+        from thunder.executors.torch_compile import torch_compile_xentropy_ex
+
+        fusion = thunder.nvfuser_executor or _compile_executor()
+        attention = [ex for ex in chosen if ex.name in ("cudnn", "sdpa")]
+        rest = [ex for ex in chosen if ex not in (*attention, fusion, torch_compile_xentropy_ex)]
+        chosen = [*attention, fusion, *rest]
     return chosen
+
+
+_COMPILE_EX = None
+
+
+def _compile_executor():
+    """Thunder's ``torch_compile_ex`` (what the torch executor runs, on any device) less the distributed prims
+    (all-gather, wait, reduce-scatter, pack...): under Thunder's fsdp a region that holds an asynchronous
+    collective fails in Dynamo, and the FSDP passes schedule the collectives as symbols of their own."""
+    global _COMPILE_EX
+    if _COMPILE_EX is None:
+        from thunder.distributed.prims import PrimIDs as DistributedPrimIDs
+        from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_ex
+
+        _COMPILE_EX = TorchCompileExecutor(name="torchcompile_fused")
+        _COMPILE_EX._implmap = {op: info for op, info in torch_compile_ex._implmap.items()
+                                if not isinstance(op, DistributedPrimIDs)}
+    return _COMPILE_EX
 
 
 _CAT_EX = None
