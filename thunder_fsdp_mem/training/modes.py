@@ -116,16 +116,20 @@ def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str =
     if mode in CUDA_ONLY and rank.device.type != "cuda":
         raise ValueError(f"mode {mode} needs CUDA")
     if rank.device.type == "cpu":
-        _scalar_cpu_inductor()
+        _cpu_inductor()
     return builders[mode]()
 
 
-def _scalar_cpu_inductor() -> None:
-    """Inductor's vectorized C++ code for bf16 reductions does not compile in torch 2.11 (``conflicting
-    declaration 'auto at_BFloat16_tmp_acc0_vec'``); scalar code does. CPU runs are for correctness, not speed."""
+def _cpu_inductor() -> None:
+    """Inductor on CPU as the CPU runs need it (they are for correctness, not speed): scalar code, because its
+    vectorized C++ code for bf16 reductions does not compile in torch 2.11 (``conflicting declaration 'auto
+    at_BFloat16_tmp_acc0_vec'``); and compilation in the calling thread, with no pool of compile workers whose
+    threads run beside the caller's (a Thunder trace made meanwhile in the same process once failed with
+    ``dictionary changed size during iteration``)."""
     import torch._inductor.config
 
     torch._inductor.config.cpp.simdlen = 1
+    torch._inductor.config.compile_threads = 1
 
 
 def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
