@@ -99,3 +99,10 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     assert plot.read_text().startswith("<?xml") and "without transform" in plot.read_text()
     # Two blocks of the same shapes: their patterns are counted once each, with a count of 2.
     assert any(t["count"] == 2 and t["total_bytes"] == 2 * t["bytes"] for t in report["top"])
+    # What the transform did, pass by pass: the saved bytes of the first pair's last applied pass are what the plan
+    # without it saves before and the plan with it saves after (the same traces, estimated step by step).
+    passes = report["transform_passes"]
+    assert "What the transform did" in text and [p["pass_name"] for p in passes][:2] == ["folded casts",
+                                                                                          "rematerialization"]
+    applied = [p for p in passes if p["outcome"] == "applied"]
+    assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]

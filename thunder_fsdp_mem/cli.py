@@ -159,19 +159,20 @@ def _measure(args, spec, memory):
 def _report(args) -> int:
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import trace_step
-    from thunder_fsdp_mem.training import models
     from thunder_fsdp_mem.report import build_report, render_json, render_plot, render_text
+    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
-    plans = [None, MemoryConfig()] if args.transform else [None]
+    plans = [None, FSDPMemoryTransform(MemoryConfig())] if args.transform else [None]
     steps = []
     measured = None
     if args.measure:
         try:
             shown = os.environ.get("RANK", "0") == "0"
             with _progress(1, "compiling and measuring one step", shown=shown) as advance:
-                measured = _measure(args, spec, plans[-1])
+                measured = _measure(args, spec, plans[-1].config if plans[-1] is not None else None)
                 advance()
         except Exception as e:  # noqa: BLE001 - the run failed (out of memory, a bug): one line unless -v
             if args.verbose:
@@ -184,11 +185,11 @@ def _report(args) -> int:
     try:
         what = "one block" if args.mode == "fsdp2" else f"{n_layers} layers"
         with _progress(len(plans), f"tracing {what} on the meta device") as advance:
-            for memory in plans:
+            for transform in plans:
                 steps.append(trace_step(spec, mode=args.mode, shard=args.shard, world_size=args.world_size,
                                         device_type=args.device, dtype=models.DTYPES[args.dtype],
                                         micro_batch_size=args.micro_batch_size, executors=args.executors,
-                                        memory=memory))
+                                        transform=transform))
                 advance()
     except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
         if args.verbose:
@@ -205,7 +206,7 @@ def _report(args) -> int:
 
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
-                          measured=comparison)
+                          measured=comparison, rewrites=tuple(plans[-1].rewrites) if args.transform else ())
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     if args.json:

@@ -9,6 +9,7 @@ line (one per block of a litgpt model) are one row with a count.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.units import format_bytes
 
@@ -52,11 +54,13 @@ class Plan:
 @dataclass(frozen=True, slots=True)
 class Report:
     """What the report shows. ``plans``: one, or (without the transform, with it); the last is the one whose
-    top allocations and peak the report lists, and the one ``measured`` was run with."""
+    top allocations and peak the report lists, and the one ``measured`` was run with. ``rewrites``: the
+    transform's record of that plan (``FSDPMemoryTransform.rewrites``)."""
 
     title: str
     plans: tuple[Plan, ...]
     measured: Comparison | None = None
+    rewrites: tuple[Rewrite, ...] = ()  # what each pass of the transform did, for the plan with it
 
     @property
     def shown(self) -> Plan:
@@ -64,12 +68,12 @@ class Report:
 
 
 def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
-                 measured: Comparison | None = None) -> Report:
+                 measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = ()) -> Report:
     """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
-    ``measured``: ``step`` beside a real run of it."""
+    ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``."""
     plans = [] if baseline is None else [_plan("without transform", baseline, top)]
     plans.append(_plan("with transform" if baseline is not None else "estimate", step, top))
-    return Report(title=title, plans=tuple(plans), measured=measured)
+    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites))
 
 
 def _plan(label: str, step: StepMemory, top: int) -> Plan:
@@ -142,6 +146,9 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         by_category.add_row(category.value, *(format_bytes(dict(p.by_category).get(category, 0)) for p in plans))
     console.print(by_category)
     console.print()
+    if report.rewrites:
+        _print_rewrites(console, report.rewrites)
+        console.print()
     shown = report.shown
     console.print(f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
                   "symbol and source line counted once, as in repeated layers):", soft_wrap=True)
@@ -186,6 +193,19 @@ def _table(first: str, *others: str):
     return table
 
 
+def _print_rewrites(console, rewrites: tuple[Rewrite, ...]) -> None:
+    console.print("What the transform did, pass by pass (peaks estimated on the traces it saw: the loss and the "
+                  "optimizer state come on top):", soft_wrap=True)
+    table = _table("pass", "trace pair", "outcome", "estimated peak", "saved for backward", "seconds")
+    table.add_column("note", overflow="fold")
+    for r in rewrites:
+        peak = f"{format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}" if r.peak_before is not None else "-"
+        saved = f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}" if r.saved_before is not None \
+            else "-"
+        table.add_row(r.pass_name, str(r.pair), r.outcome.value, peak, saved, f"{r.seconds:.2f}", r.note or "")
+    console.print(table)
+
+
 def _print_measured(console, m: Comparison) -> None:
     n = len(m.ranks_peak_bytes)
     where = (f"one {m.device_type} process" if n == 1 else
@@ -215,6 +235,7 @@ def render_json(report: Report) -> dict:
         "title": report.title,
         **_plan_json(shown),
         "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
+        "transform_passes": [{**dataclasses.asdict(r), "outcome": r.outcome.value} for r in report.rewrites],
     }
     m = report.measured
     if m is not None:

@@ -21,7 +21,6 @@ import thunder
 from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
-from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.meta import as_on, fake_ranks
 from thunder_fsdp_mem.training import models, runtime
@@ -33,12 +32,12 @@ SHARDS = runtime.SHARDS
 
 def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None = None, world_size: int = 1,
                device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-               executors: str = "default+cat", memory: MemoryConfig | None = None) -> StepMemory:
+               executors: str = "default+cat", transform: FSDPMemoryTransform | None = None) -> StepMemory:
     """The estimated memory of one step (``StepMemory``) of ``spec`` on ``world_size`` ranks of ``device_type``,
     traced on the meta device. ``mode``: ``jit`` (one process), ``thunder-fsdp`` (Thunder's fsdp) or ``fsdp2``
     (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
-    ``executors``: ``runtime.executors``' choice. ``memory``: a ``MemoryConfig`` to run ``FSDPMemoryTransform``
-    with, None for none."""
+    ``executors``: ``runtime.executors``' choice. ``transform``: the ``FSDPMemoryTransform`` to compile with, None
+    for none (its ``rewrites`` then say what it did)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "jit" and (shard is not None or world_size != 1):
@@ -47,8 +46,8 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
     if mode == "fsdp2":
         return fsdp2.compose_step(spec, world_size=world_size, shard=shard, device_type=device_type, dtype=dtype,
-                                  micro_batch_size=micro_batch_size, executors=executors, memory=memory)
-    transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
+                                  micro_batch_size=micro_batch_size, executors=executors, transform=transform)
+    transforms = [transform] if transform is not None else []
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
     chosen = runtime.executors(executors)
     with ranks, as_on(device_type, chosen):

@@ -56,20 +56,20 @@ from thunder_fsdp_mem.analysis.step import (
     Holder, Holdings, Key, Role, Stage, StepMemory, held_allocation, loss_allocations, step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
-from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
 from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
 
 
 def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_type: str = "cuda",
                  dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1, executors: str = "default+cat",
-                 memory: MemoryConfig | None = None) -> StepMemory:
+                 transform: FSDPMemoryTransform | None = None) -> StepMemory:
     """The estimated memory per rank of one step of ``spec`` under FSDP2 and ThunderFX on ``world_size`` ranks of
-    ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice; ``memory``: a
-    ``MemoryConfig`` to run ``FSDPMemoryTransform`` with (None: without it)."""
+    ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice; ``transform``:
+    the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
     if shard not in runtime.SHARDS:
         raise ValueError(f"shard must be one of {', '.join(runtime.SHARDS)}; got {shard!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -85,7 +85,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
             gpt = GPT(config)
         gpt = gpt.to(dtype)
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
-        blocks = trace_blocks(gpt, idx, chosen, memory, device_type)
+        blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
         return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets).run()
 
 

@@ -1,6 +1,6 @@
 """The ThunderFX graph that every litgpt block runs under FSDP2, traced on the meta device and analysed.
 
-Entry point: ``trace_blocks(gpt, idx, executors, memory, device_type) -> BlockTraces``.
+Entry point: ``trace_blocks(gpt, idx, executors, transform, device_type) -> BlockTraces``.
 
 Dynamo does not trace FSDP2's hooks, so it breaks the graph at every ``fully_shard`` unit: each Block's forward is
 one ThunderFX graph, compiled once and run for every block. Here the blocks are compiled with ``ThunderCompiler``
@@ -25,7 +25,6 @@ from thunder.dynamo import ThunderCompiler
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.analysis.symbols import proxy_names
-from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 
@@ -40,13 +39,13 @@ class BlockTraces:
     saved: tuple[str, ...]  # the names it saves for the backward
 
 
-def trace_blocks(gpt, idx: torch.Tensor, executors: list, memory: MemoryConfig | None,
+def trace_blocks(gpt, idx: torch.Tensor, executors: list, transform: FSDPMemoryTransform | None,
                  device_type: str) -> BlockTraces:
     """Compile the blocks as FSDP2's graph breaks leave them (each Block's forward alone) with ThunderFX, run them
-    forward and backward on the meta device, and analyse the one graph they all run. ``memory``: the
-    ``FSDPMemoryTransform``'s config, None for none."""
+    forward and backward on the meta device, and analyse the one graph they all run. ``transform``: the
+    ``FSDPMemoryTransform`` to compile with, None for none."""
     torch._dynamo.reset()
-    transforms = [FSDPMemoryTransform(memory)] if memory is not None else []
+    transforms = [transform] if transform is not None else []  # fresh: ThunderCompiler appends to it
     backend = ThunderCompiler(executors=executors, transforms=transforms)
     T = idx.size(1)
     cos, sin = gpt.cos[:T].unsqueeze(0), gpt.sin[:T].unsqueeze(0)
