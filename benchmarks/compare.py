@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="all", help="'all' or a comma-separated list of modes")
     p.add_argument("--steps", type=int, default=10, help="measured steps (median step time)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo, the profiler's allocations)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (NCCL) or cpu (gloo, the profiler's allocations)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
     p.add_argument("--recompute-weight", type=float, default=DEFAULT_RECOMPUTE_WEIGHT,
                    help="MemoryConfig.recompute_weight of the +mem modes")

@@ -22,8 +22,8 @@ How such a step runs, and how it is composed here:
     out into the unsharded parameters; the buffer is freed when the next unit's copy-out is done (the last one
     after the root's forward): ``wait_for_unshard`` drops it before the copy-out, but its local
     ``prev_all_gather_state`` holds it until the function returns. zero3 frees the unsharded parameters after each
-    unit's forward and gathers them again before its backward (buffer freed at once), prefetching the unit that runs next in the backward; zero2
-    keeps them until the unit's backward is done;
+    unit's forward and gathers them again before its backward (buffer freed at once), prefetching the unit that
+    runs next in the backward; zero2 keeps them until the unit's backward is done;
   - after a unit's backward, its unsharded gradients are copied into a reduce-scatter input (world size x shard
     bytes); the reduce-scatter's output, the sharded gradient, is allocated and kept, and only then are the
     unsharded gradients freed (``foreach_reduce`` clears its list, but the parameters' ``grad`` still hold them);
