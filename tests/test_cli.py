@@ -46,6 +46,20 @@ def test_unwritable_json_path_exits_2(tmp_path, capsys):
     assert "cannot write --json" in capsys.readouterr().err
     assert main(["report", *SMALL, "--plot", str(tmp_path / "missing" / "r.png")]) == 2
     assert "cannot write --plot" in capsys.readouterr().err
+    # A directory with a plot's name: refused before any tracing, one line.
+    (tmp_path / "d.png").mkdir()
+    assert main(["report", *SMALL, "--plot", str(tmp_path / "d.png")]) == 2
+    err = capsys.readouterr().err
+    assert "it is a directory" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_write_refused_at_the_end_is_one_line(capsys):
+    # /proc passes the checks as root (it exists; root may write there by its mode bits) but refuses new files:
+    # the failure comes after the report is computed, and is still one line with exit 2 (another user is refused
+    # before tracing, with the same line).
+    assert main(["report", *SMALL, "--plot", "/proc/thunder-fsdp-mem-test.png"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write --plot /proc/thunder-fsdp-mem-test.png" in err and "Traceback" not in err
 
 
 def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):

@@ -110,3 +110,13 @@ def test_unknown_loss_is_a_value_error():
     jitted, _, _ = _jitted_step("neox", torch.float32)
     with pytest.raises(ValueError, match="cross_entropy"):
         estimate_step(jitted, loss="mse")
+
+
+def test_bad_arguments_name_themselves():
+    jitted, _, _ = _jitted_step("neox", torch.bfloat16)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None; got str"):
+        estimate_step(jitted, optimizer="adam")
+    with pytest.raises(ValueError, match="device_type must be None or one of cuda, cpu; got 'tpu'"):
+        estimate_step(jitted, device_type="tpu")
+    with pytest.raises(ValueError, match="loss must be None or one of cross_entropy"):
+        estimate_step(jitted, loss="mse")

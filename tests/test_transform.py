@@ -65,6 +65,8 @@ def test_is_a_thunder_transform_with_a_validated_config():
         FSDPMemoryTransform(MemoryConfig(), strict=True)
     with pytest.raises(TypeError, match="MemoryConfig"):
         FSDPMemoryTransform({"strict": True})
+    with pytest.raises(ValueError, match="MemoryConfig.strict must be a bool.*'no'"):
+        FSDPMemoryTransform(strict="no")  # not bool("no"), which is True
 
 
 @pytest.fixture(scope="module")

@@ -98,9 +98,15 @@ def _validate(args) -> None:
         args.shard = args.shard or "zero2"
         args.world_size = args.world_size or 2
     for path, option in ((args.json, "--json"), (args.plot, "--plot")):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
             raise _UsageError(f"cannot write {option} {path}: no such directory {folder}")
+        if os.path.isdir(path):
+            raise _UsageError(f"cannot write {option} {path}: it is a directory; name a file in it")
+        if not os.access(folder, os.W_OK):
+            raise _UsageError(f"cannot write {option} {path}: the directory {folder} is not writable")
     if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".svg", ".pdf"):
         raise _UsageError(f"--plot {args.plot}: the file name must end in .png, .svg or .pdf")
     from litgpt.config import name_to_config
@@ -209,14 +215,15 @@ def _report(args) -> int:
                           measured=comparison, rewrites=tuple(plans[-1].rewrites) if args.transform else ())
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
-    if args.json:
-        try:
+    try:
+        if args.json:
             with open(args.json, "w") as f:
                 json.dump(render_json(report), f, indent=2)
-        except OSError as e:
-            raise _UsageError(f"cannot write --json {args.json}: {e.strerror}") from None
-    if args.plot:
-        render_plot(report, args.plot)
+        if args.plot:
+            render_plot(report, args.plot)
+    except OSError as e:  # checked before tracing, yet the file system may still refuse
+        target = ("--json", args.json) if args.json and e.filename == args.json else ("--plot", args.plot)
+        raise _UsageError(f"cannot write {target[0]} {target[1]}: {e.strerror or e}") from None
     return 0
 
 
