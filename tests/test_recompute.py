@@ -9,6 +9,7 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
+from thunder_fsdp_mem.analysis.cost import op_traffic
 from thunder_fsdp_mem.passes import checks, recompute
 
 
@@ -43,11 +44,11 @@ def test_the_cut_saves_the_bf16_matmul_output_instead_of_the_float32_tanh(traces
 
 def test_recompute_traffic_is_what_a_kernel_reads_and_writes(traces):
     forward, _, _, _ = traces
-    by_name = {b.sym.name: recompute.recompute_traffic(b) for b in forward.bound_symbols}
+    by_name = {b.sym.name: op_traffic(b) for b in forward.bound_symbols}
     assert by_name["to"] == 8 * 32 * (2 + 4)  # reads the bf16 matmul output, writes float32
     assert by_name["tanh"] == 8 * 32 * (4 + 4)
     reshape = thunder.trace()(lambda a: ltorch.reshape(a, (16,)), torch.randn(4, 4)).bound_symbols
-    assert [recompute.recompute_traffic(b) for b in reshape if b.sym.name == "reshape"] == [0]  # a view
+    assert [op_traffic(b) for b in reshape if b.sym.name == "reshape"] == [0]  # a view
 
 
 def test_a_weight_on_traffic_saves_what_is_dear_to_recompute(traces):

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_RECOMPUTE_WEIGHT = 0.04
+BUDGET_LOSSES = ("cross_entropy",)
+BUDGET_OPTIMIZERS = ("adamw",)
 DEFAULT_MAX_INFLIGHT_ALLGATHERS = 2
 DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS = 2
 
@@ -32,8 +34,20 @@ class MemoryConfig:
         oldest is waited for (``scatters.py``; an int >= 1).
     regather: under Thunder's fsdp, save parameter shards instead of gathered parameters and gather again in
         backward. None (the default) does so when the model is sharded with ZeRO3.
-    strict: raise instead of warning when a trace is not understood or a rewrite fails its checks (a warning
-        returns the trace unchanged).
+    memory_budget: a per-rank peak in bytes (an int > 0) the step must fit: rematerialization then also
+        recomputes matmuls, attention and whole blocks in backward, the least time per byte of peak removed first,
+        until the estimated step peak (with ``budget_loss`` and ``budget_optimizer``) fits (``budget.py``). For a
+        forward/backward pair that is the whole step (``thunder.jit``, Thunder's fsdp). None: no budget.
+    saved_budget: the most bytes a forward may save for backward beyond its inputs (an int >= 0), the same way;
+        for a pair that is part of a step (each ThunderFX block under FSDP2), set from a step's budget by the
+        report's planner (``thunder-fsdp-mem report --memory-budget``). None: no budget.
+    budget_loss: the loss the caller computes on the forward's output, counted in ``memory_budget``'s step (one of
+        ``BUDGET_LOSSES``: eager cross-entropy on the logits, as the benchmarks run it; None: the output is the
+        loss, or nothing more is computed on it).
+    budget_optimizer: the optimizer state counted in ``memory_budget``'s step (``adamw``: two moments of each
+        trained parameter, the shard under FSDP; None: none).
+    strict: raise instead of warning when a trace is not understood, a rewrite fails its checks, or a budget
+        cannot be met (a warning returns the trace unchanged, or rewritten to the least peak reachable).
     """
 
     fold_casts: bool = True
@@ -45,6 +59,10 @@ class MemoryConfig:
     scatters: bool = True
     max_inflight_reduce_scatters: int = DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
     regather: bool | None = None
+    memory_budget: int | None = None
+    saved_budget: int | None = None
+    budget_loss: str | None = "cross_entropy"
+    budget_optimizer: str | None = "adamw"
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +75,18 @@ class MemoryConfig:
             _check(name, n, isinstance(n, int) and not isinstance(n, bool) and n >= 1, "an int >= 1")
         _check("regather", self.regather, self.regather is None or isinstance(self.regather, bool),
                "True, False or None (as the sharding strategy says)")
+        for name, least in (("memory_budget", 1), ("saved_budget", 0)):
+            n = getattr(self, name)
+            _check(name, n, n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= least),
+                   f"None or an int >= {least} (bytes)")
+        _check("budget_loss", self.budget_loss, self.budget_loss in (None, *BUDGET_LOSSES),
+               f"None or one of {', '.join(BUDGET_LOSSES)}")
+        _check("budget_optimizer", self.budget_optimizer, self.budget_optimizer in (None, *BUDGET_OPTIMIZERS),
+               f"None or one of {', '.join(BUDGET_OPTIMIZERS)}")
+
+    @property
+    def budgeted(self) -> bool:
+        return self.memory_budget is not None or self.saved_budget is not None
 
 
 def _number(value) -> bool:

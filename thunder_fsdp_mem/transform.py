@@ -20,7 +20,7 @@ from thunder.distributed import FSDPType
 
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
-from thunder_fsdp_mem.passes.pipeline import pipeline
+from thunder_fsdp_mem.passes.pipeline import estimator, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -88,8 +88,9 @@ class FSDPMemoryTransform(Transform):
                 self._refused("transform", why)
                 return computation_trace
             placeholder, forward = pending
-            pair, records = run_passes(Pair(forward, computation_trace), pipeline(c, regather=self._regathers()),
-                                       on_refused=self._refused, index=self._pairs)
+            pair = Pair(forward, computation_trace)
+            pair, records = run_passes(pair, pipeline(c, regather=self._regathers()), on_refused=self._refused,
+                                       on_warning=self._warned, index=self._pairs, estimator=estimator(c, pair))
             self._pairs += 1
             self.rewrites.extend(records)
             placeholder.bound_symbols = pair.forward.bound_symbols
@@ -128,7 +129,10 @@ class FSDPMemoryTransform(Transform):
         return FSDPType.ZERO3 in strategies
 
     def _refused(self, what: str, why: str) -> None:
-        message = f"FSDPMemoryTransform: pass '{what}' refused, its traces left as they were: {why}"
+        self._warned(what, f"refused, its traces left as they were: {why}")
+
+    def _warned(self, what: str, message: str) -> None:
+        message = f"FSDPMemoryTransform: pass '{what}' {message}"
         if self.config.strict:
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=4)

@@ -281,13 +281,45 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
                     _optimizer_state(optimizer), loss, device_type=device_type)
 
 
-def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None) -> StepMemory:
+def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None, loss: str | None = None,
+                    held: tuple[Allocation, ...] = ()) -> StepMemory:
     """The same estimate from a forward execution trace and its backward alone (what a transform sees): the
-    tensors alive before the step are the forward's tensor arguments; no loss outside the traces, no optimizer.
-    ``reuse``: an earlier estimate with this same forward trace, whose analysis of the forward is taken as it is
-    (a pass that tries several backwards against one forward analyses it once)."""
-    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), [], None,
+    tensors alive before the step are the forward's tensor arguments. ``loss``: as ``estimate_step``'s, the loss
+    the caller computes on the forward's output (None: none); ``held``: allocations alive through the step besides
+    the traces' (an optimizer's state, as ``anticipated_adamw`` makes it). ``reuse``: an earlier estimate with this
+    same forward trace, whose analysis of the forward is taken as it is (a pass that tries several backwards
+    against one forward analyses it once)."""
+    if loss is not None and loss not in LOSSES:
+        raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
+    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), list(held), loss,
                     forward=reuse.forward if reuse is not None else None)
+
+
+def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
+    """The state AdamW will hold for the parameters a forward/backward pair trains: two moments the size of each
+    parameter (the shard, under FSDP) that the forward receives and the backward returns a gradient for.
+    Parameters are told by Thunder's names for them: ``t_`` + qualified name (``thunder.jit``, Thunder's fsdp),
+    or a ``_parameters_`` path (a ThunderFX graph)."""
+    inputs = _flat_args(forward_trace)
+    gradients = backward_trace.bound_symbols[-1].args[0] if backward_trace is not None else ()
+    state = []
+    for arg, grad in zip(inputs, gradients if isinstance(gradients, tuple | list) else ()):
+        name = getattr(arg, "name", "")
+        if grad is None or not hasattr(arg, "dtype") or not (name.startswith("t_") or "_parameters_" in name):
+            continue
+        for moment in ("exp_avg", "exp_avg_sq"):
+            state.append(held_allocation(f"AdamW {moment} of {name}", nbytes(arg), Category.OPTIMIZER_STATE,
+                                         shape=arg.shape, dtype=dtype_name(arg), symbol="anticipated"))
+    return tuple(state)
+
+
+def _flat_args(forward_trace) -> list:
+    """The forward's inputs in the order its backward returns their gradients (its return's ``flat_args``)."""
+    ret = forward_trace.bound_symbols[-1]
+    value = ret.args[0] if len(ret.args) == 2 else None
+    if isinstance(value, dict) and "flat_args" in value:
+        return list(value["flat_args"])
+    return []
 
 
 def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,

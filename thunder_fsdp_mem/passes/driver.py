@@ -1,18 +1,22 @@
 """The pass driver: every pass of ``FSDPMemoryTransform`` is run, checked, judged and recorded the same way.
 
 A pass (``Pass``) takes a forward and its backward (``Pair``) and proposes a new pair (``Proposal``); it may read the
-estimate of the pair it is given (``Context.estimate``). ``run_passes(pair, passes, on_refused)`` runs each in
-order and, for each:
+estimate of the pair it is given (``Context.estimate``). ``run_passes(pair, passes, on_refused, estimator)`` runs
+each in order and, for each:
 - times it;
 - where the proposal is the pair itself, records ``UNCHANGED``;
 - checks each rewritten trace (``checks.check_rewrite``, with what the pass says may differ: the saved tensors,
   the order of collectives it schedules itself, the collectives it adds);
-- estimates the proposal with ``step.estimate_traces``, the one estimator (a pass that already judged its
-  proposal with it hands the estimate over; a proposal with the forward unchanged reuses the forward's analysis),
-  and keeps it only if the step's estimated peak does not rise (``APPLIED``, else ``RAISES_PEAK``);
+- estimates the proposal with ``estimator`` (``step.estimate_traces``, the one estimator, with the loss and the
+  optimizer state a memory budget counts; a pass that already judged its proposal with it hands the estimate
+  over; a proposal with the forward unchanged reuses the forward's analysis), and keeps it only if the step's
+  estimated peak does not rise (``APPLIED``, else ``RAISES_PEAK``);
 - where the pass raises ``PassError`` (a trace it does not understand) or a check fails, records ``REFUSED`` with
   the reason and calls ``on_refused`` (the transform warns, or raises under ``strict``); the next pass goes on from
-  the pair as it was.
+  the pair as it was;
+- where the pass has something to say of a proposal it makes anyway (a budget it could not meet), calls
+  ``on_warning``. A proposal that meets a budget of saved bytes (``Proposal.budgeted``: a ThunderFX block's, set
+  from the step's budget, whose own peak is not the step's) is kept though the pair's own peak rises.
 Every run of every pass leaves one typed ``Rewrite``.
 """
 
@@ -55,9 +59,22 @@ class Checks:
 
 
 @dataclass(frozen=True, slots=True)
+class Recomputed:
+    """Symbols the backward runs again that share an op and a source line (one per layer of a model): how many,
+    and their estimated time together (``cost.op_seconds``)."""
+
+    symbol: str
+    source: str | None
+    count: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Proposal:
-    """A pass's new pair, what its checks allow, what it says it did (``note``), and, where the pass judged it with
-    the estimator already, its ``estimate``."""
+    """A pass's new pair, what its checks allow, what it says it did (``note``; what it recomputes, and the
+    estimated time that adds), and, where the pass judged it with the estimator already, its ``estimate``.
+    ``warning``: what the pass has to say of it (a budget not met); ``budgeted``: it meets a budget of saved bytes,
+    and is kept though the pair's own peak rises."""
 
     forward: TraceCtx
     backward: TraceCtx
@@ -65,18 +82,27 @@ class Proposal:
     backward_checks: Checks = Checks()
     note: str = ""
     estimate: StepMemory | None = None
+    recomputed: tuple[Recomputed, ...] = ()
+    seconds: float | None = None
+    warning: str | None = None
+    budgeted: bool = False
+
+
+Estimator = Callable[..., StepMemory]  # (forward, backward=None, *, reuse=None) -> StepMemory
 
 
 class Context:
-    """What a pass may read besides the pair: the estimate of the pair it is given, made once when first asked."""
+    """What a pass may read besides the pair: the estimate of the pair it is given, made once when first asked,
+    and the estimator that judges the run."""
 
-    def __init__(self, pair: Pair, estimate: StepMemory | None = None):
+    def __init__(self, pair: Pair, estimator: Estimator = estimate_traces, estimate: StepMemory | None = None):
         self.pair = pair
+        self.estimator = estimator
         self._estimate = estimate
 
     def estimate(self) -> StepMemory:
         if self._estimate is None:
-            self._estimate = estimate_traces(self.pair.forward, self.pair.backward)
+            self._estimate = self.estimator(self.pair.forward, self.pair.backward)
         return self._estimate
 
     @property
@@ -108,7 +134,8 @@ class Rewrite:
     """One pass on one forward/backward pair: what became of it, the step's estimated peak and saved-for-backward
     bytes before and after (None where nothing was estimated), the seconds it took (checks and estimates
     included), and ``note``: what the pass did, or why it was refused. ``pair``: which pair the transform saw (0 for
-    the first)."""
+    the first). ``recomputed``, ``added_seconds``: what a rematerialization has the backward run again, and its
+    estimated time on the device."""
 
     pass_name: str
     outcome: Outcome
@@ -119,20 +146,25 @@ class Rewrite:
     saved_after: int | None = None
     seconds: float = 0.0
     note: str = ""
+    recomputed: tuple[Recomputed, ...] = ()
+    added_seconds: float | None = None
 
 
 def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str, str], None],
-               index: int = 0) -> tuple[Pair, tuple[Rewrite, ...]]:
+               on_warning: Callable[[str, str], None] | None = None, index: int = 0,
+               estimator: Estimator = estimate_traces) -> tuple[Pair, tuple[Rewrite, ...]]:
     """The pair after every pass of ``passes`` (see the module's docstring), and one ``Rewrite`` per pass that ran.
-    ``on_refused(pass name, reason)`` is called for each refusal; ``index``: the pair's number in the records."""
+    ``on_refused(pass name, reason)`` is called for each refusal, ``on_warning(pass name, what)`` for each warning
+    (None: ``on_refused``); ``index``: the pair's number in the records."""
     records: list[Rewrite] = []
     applied: set[str] = set()
-    context = Context(pair)
+    context = Context(pair, estimator)
+    warn = on_warning if on_warning is not None else on_refused
     for p in passes:
         if p.after is not None and p.after not in applied:
             continue
         start = time.perf_counter()
-        record, pair, context = _run_one(p, pair, context, index)
+        record, pair, context = _run_one(p, pair, context, index, warn)
         record = replace(record, seconds=time.perf_counter() - start)
         records.append(record)
         if record.outcome is Outcome.APPLIED:
@@ -144,9 +176,12 @@ def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str,
     return pair, tuple(records)
 
 
-def _run_one(p: Pass, pair: Pair, context: Context, index: int) -> tuple[Rewrite, Pair, Context]:
+def _run_one(p: Pass, pair: Pair, context: Context, index: int,
+             warn: Callable[[str, str], None]) -> tuple[Rewrite, Pair, Context]:
     try:
         proposal = p.run(pair, context)
+        if proposal.warning is not None:
+            warn(p.name, proposal.warning)
         if proposal.forward is pair.forward and proposal.backward is pair.backward:
             return Rewrite(p.name, Outcome.UNCHANGED, index, note=proposal.note), pair, context
         if proposal.forward is not pair.forward:
@@ -159,15 +194,16 @@ def _run_one(p: Pass, pair: Pair, context: Context, index: int) -> tuple[Rewrite
     after = proposal.estimate
     if after is None:
         reuse = before if proposal.forward is pair.forward else None
-        after = estimate_traces(proposal.forward, proposal.backward, reuse=reuse)
+        after = context.estimator(proposal.forward, proposal.backward, reuse=reuse)
     figures = dict(peak_before=before.peak_bytes, peak_after=after.peak_bytes, saved_before=before.saved_bytes,
-                   saved_after=after.saved_bytes)
-    if after.peak_bytes > before.peak_bytes:
+                   saved_after=after.saved_bytes, note=proposal.note, recomputed=proposal.recomputed,
+                   added_seconds=proposal.seconds)
+    if after.peak_bytes > before.peak_bytes and not proposal.budgeted:
         log.info("FSDPMemoryTransform: %s kept out, it would raise the estimated peak from %d to %d bytes", p.name,
                  before.peak_bytes, after.peak_bytes)
-        return Rewrite(p.name, Outcome.RAISES_PEAK, index, note=proposal.note, **figures), pair, context
+        return Rewrite(p.name, Outcome.RAISES_PEAK, index, **figures), pair, context
     new = Pair(proposal.forward, proposal.backward)
-    return Rewrite(p.name, Outcome.APPLIED, index, note=proposal.note, **figures), new, Context(new, after)
+    return Rewrite(p.name, Outcome.APPLIED, index, **figures), new, Context(new, context.estimator, after)
 
 
 def _kwargs(checks: Checks) -> dict:

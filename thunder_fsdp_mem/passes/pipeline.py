@@ -3,6 +3,7 @@
 ``pipeline(config, regather=...) -> list[driver.Pass]``:
 1. ``folded casts`` (``casts.fold_casts``): a 16-bit elementwise op Thunder brackets between casts, run as one op;
 2. ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed in backward;
+   with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
 3. ``folded casts after rematerialization``: the brackets of the upcasts the backward now recomputes (runs only
    where rematerialization was applied);
 4. ``order`` (``reorder.reorder_pair``): the trace that holds the peak in its lowest-peak order;
@@ -12,14 +13,23 @@
 6. ``reduce-scatters`` (``scatters``), under Thunder's fsdp: each issued when its gradient is complete.
 
 Each adapter here turns a pass's trace functions into a ``driver.Proposal`` and says what its checks allow.
+``estimator(config, pair)`` is what judges them: ``step.estimate_traces``, with the loss and the optimizer state
+a memory budget counts.
 """
 
 from __future__ import annotations
 
-from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, sym_id
+import functools
+
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+
+from thunder_fsdp_mem.analysis.step import anticipated_adamw, estimate_traces
+from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, nbytes, sym_id
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import casts, checks, gathers, recompute, reorder, scatters
-from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, Pass, Proposal
+from thunder_fsdp_mem.passes import budget, casts, checks, gathers, recompute, reorder, scatters
+from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Pass, Proposal
+from thunder_fsdp_mem.units import format_bytes
 
 FOLD, REMATERIALIZE, ORDER = "folded casts", "rematerialization", "order"
 ALL_GATHERS, REDUCE_SCATTERS = "all-gathers", "reduce-scatters"
@@ -31,7 +41,7 @@ def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:
     if config.fold_casts:
         passes.append(Pass(FOLD, _fold))
     if config.rematerialize:
-        passes.append(Pass(REMATERIALIZE, lambda pair, context: _rematerialize(pair, config.recompute_weight)))
+        passes.append(Pass(REMATERIALIZE, lambda pair, context: _rematerialize(pair, context, config)))
         if config.fold_casts:
             passes.append(Pass(f"{FOLD} after {REMATERIALIZE}", _fold, after=REMATERIALIZE))
     if config.reorder:
@@ -50,21 +60,68 @@ def _fold(pair: Pair, context: Context) -> Proposal:
     return Proposal(forward, backward)
 
 
-def _rematerialize(pair: Pair, recompute_weight: float) -> Proposal:
+def estimator(config: MemoryConfig, pair: Pair) -> Estimator:
+    """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
+    loss the caller computes on the forward's output (where that output is not a scalar already) and the
+    optimizer state (``step.anticipated_adamw``)."""
+    if config.memory_budget is None:
+        return estimate_traces
+    held = anticipated_adamw(pair.forward, pair.backward) if config.budget_optimizer == "adamw" else ()
+    value = pair.forward.bound_symbols[-1].args[0]
+    outputs = [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)] \
+        if isinstance(value, dict) and "output" in value else []
+    loss = config.budget_loss if len(outputs) == 1 and nbytes(outputs[0]) > outputs[0].dtype.bytes else None
+    return functools.partial(estimate_traces, loss=loss, held=held)
+
+
+def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     forward, backward = pair.forward, pair.backward
     if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
         raise recompute.PlanError("the backward does not receive what the forward saves")
-    plan = recompute.plan_saved(forward, recompute_weight=recompute_weight)
+    if config.budgeted:
+        return _fit_budget(pair, context, config)
+    plan = recompute.plan_saved(forward, recompute_weight=config.recompute_weight)
     if not plan.changes:
         return Proposal(forward, backward)
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
     note = (f"saves {plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} "
             f"symbols ({plan.traffic_bytes} bytes read and written)")
-    return Proposal(new_forward, new_backward, forward_checks=Checks(ignore_saved=True), note=note)
+    return Proposal(new_forward, new_backward, forward_checks=Checks(ignore_saved=True), note=note,
+                    recomputed=recompute.recomputed_groups(forward, plan), seconds=plan.seconds)
+
+
+def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
+    warning that names it and what is alive there, where they cannot be met."""
+    def fits(estimate) -> bool:
+        return ((config.memory_budget is None or estimate.peak_bytes <= config.memory_budget)
+                and (config.saved_budget is None or estimate.saved_bytes <= config.saved_budget))
+
+    found = budget.fit(pair.forward, pair.backward, fits=fits, judge=lambda f, b: context.estimator(f, b),
+                       recompute_weight=config.recompute_weight)
+    wanted = ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
+                                                                  ("saved", config.saved_budget)) if n is not None)
+    e, plan = found.estimate, found.plan
+    warning = None
+    if not found.reached:
+        alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
+        warning = (f"could not meet the budget ({wanted}): the least reachable is a peak of "
+                   f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
+                   f"{format_bytes(e.saved_bytes)}; alive there: {alive}")
+    if found.forward is pair.forward:
+        return Proposal(pair.forward, pair.backward, warning=warning)
+    price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"
+    note = (f"budget {wanted}: {'met' if found.reached else 'not met'} at {price}; saves {plan.after_bytes} bytes "
+            f"instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an estimated "
+            f"{1e3 * plan.seconds:.1f} ms")
+    return Proposal(found.forward, found.backward, forward_checks=Checks(ignore_saved=True), note=note,
+                    estimate=found.estimate, recomputed=found.recomputed, seconds=plan.seconds, warning=warning,
+                    budgeted=config.saved_budget is not None)
 
 
 def _reorder(pair: Pair, context: Context) -> Proposal:
-    forward, backward, estimate = reorder.reorder_pair(pair.forward, pair.backward, estimate=context.estimate())
+    forward, backward, estimate = reorder.reorder_pair(pair.forward, pair.backward, estimate=context.estimate(),
+                                                       estimator=context.estimator)
     return Proposal(forward, backward, estimate=estimate)
 
 

@@ -20,8 +20,15 @@ today, so nothing is recomputed for nothing.
 
 Recomputation costs time: ops outside fusions each read and write whole tensors. With ``recompute_weight``
 w > 0, each recomputable symbol is also a node ``("op", i)`` between its arguments and outputs, fed by the source
-with capacity w x its traffic (``recompute_traffic``): the cut pays it when the symbol runs again, once however
+with capacity w x its traffic (``cost.op_traffic``): the cut pays it when the symbol runs again, once however
 many of its outputs are needed. The cut then minimises saved bytes + w x recomputation traffic.
+
+With a ``price`` (bytes of saved memory one second of recomputation is worth), the expensive deterministic ops
+become recomputable too: matmuls, attention without dropout, embeddings, and fusion regions made of them and cheap
+ops (``priced``). Each is such a node, fed with capacity price x its time (``cost.op_seconds``), so that the cut
+minimises saved bytes + w x traffic + price x the time of the expensive ops run again. A high price gives the cut
+without them; price 0 saves the least the forward can save. ``passes.budget`` chooses the price that fits a
+memory budget.
 
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
 saved tensors; the backward unpacks them and recomputes the rest just before their first use; a recomputed
@@ -42,11 +49,12 @@ from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
+from thunder_fsdp_mem.analysis.cost import ATTENTION, H200, MATMULS, DeviceRates, op_seconds, op_traffic
 from thunder_fsdp_mem.analysis.symbols import (
     ELEMENTWISE_OPS, RESHAPE_OPS, UNPACK_IDS, VIEW_OPS, WAITS, def_use, is_copy_into, is_fusion, nbytes, sym_id,
-    tensor_args, tensor_outputs, without_dels,
+    without_dels,
 )
-from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.driver import PassError, Recomputed
 from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use
 
 # Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
@@ -61,7 +69,8 @@ RECOMPUTABLE_OPS = (
     })
 )
 
-_NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}
+# Deterministic too, but dear: recomputed only at a price (a memory budget).
+PRICED_OPS = MATMULS | ATTENTION | {"embedding"}
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -72,7 +81,8 @@ class SavePlan:
     saved: names of the tensors the forward returns for backward, in order.
     recompute: indices, in the forward's bound symbols, of the symbols the backward runs again (forward order).
     before_bytes / after_bytes: saved bytes beyond the forward's inputs, today and with the plan.
-    traffic_bytes: what the recomputation reads and writes (``recompute_traffic``), its cost.
+    traffic_bytes: what the recomputation reads and writes (``cost.op_traffic``), its cost.
+    seconds: its estimated time on the device the plan was priced for (``cost.op_seconds``).
     """
 
     saved: tuple[str, ...]
@@ -80,6 +90,7 @@ class SavePlan:
     before_bytes: int
     after_bytes: int
     traffic_bytes: int = 0
+    seconds: float = 0.0
 
     @property
     def changes(self) -> bool:
@@ -109,25 +120,34 @@ def recomputable(bsym) -> bool:
     return sym_id(bsym) in RECOMPUTABLE_OPS
 
 
-def recompute_traffic(bsym) -> int:
-    """Bytes that running ``bsym`` again reads and writes, the measure of its cost (recomputed ops are bound by
-    memory bandwidth): nothing for views and reshapes, which launch no kernel; a fusion's own inputs and outputs
-    (one pass); every tensor argument and output otherwise."""
-    if not is_fusion(bsym) and sym_id(bsym) in _NO_KERNEL:
-        return 0
-    return sum(nbytes(t) for t in (*tensor_args(bsym), *tensor_outputs(bsym)))
+def priced(bsym) -> bool:
+    """True for the expensive deterministic ops the cut may recompute at a price: matmuls, attention without
+    dropout, embeddings, and fusion regions made of them and cheap ops, whose arguments are all tensors or
+    constants."""
+    if any(not isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
+        return False
+    if is_fusion(bsym):
+        return bool(bsym.subsymbols) and all(recomputable(s) or priced(s) for s in bsym.subsymbols)
+    sid = sym_id(bsym)
+    if sid in ATTENTION:
+        dropout = bsym.kwargs.get("dropout_p", bsym.args[4] if len(bsym.args) > 4 else 0.0)
+        return not dropout
+    return sid in PRICED_OPS
 
 
-def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
+def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float | None = None,
+               rates: DeviceRates = H200) -> SavePlan:
     """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
-    bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes."""
+    bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes, and, with a ``price``,
+    plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``."""
     saved = saved_tensors(forward)
     bsyms = forward.bound_symbols
     producer: dict[str, int] = {}
     inputs: set[str] = set()
     written: set[str] = set()  # destinations of in-place copies: their value changes, never recompute from them
     tensors: dict[str, TensorProxy] = {}
-    can = [False] * len(bsyms)  # recomputable(bsyms[i]), decided once
+    can = [False] * len(bsyms)  # recomputable(bsyms[i]), or priced at a price, decided once
+    dear = [False] * len(bsyms)  # recomputed at the price
     for i, bsym in enumerate(bsyms):
         tensors.update((p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
                        if isinstance(p, TensorProxy))
@@ -140,6 +160,8 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
         if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
         can[i] = recomputable(bsym)
+        if not can[i] and price is not None and priced(bsym):
+            can[i] = dear[i] = True
         for o in bsym.flat_proxy_outs:
             producer.setdefault(o.name, i)
     inputs.update(a.name for a in forward.args if isinstance(a, Proxy))
@@ -160,7 +182,10 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
         if not can[i]:
             continue
         # The symbol is a node of its own, cut from the source (at its traffic's price) when it runs again.
-        cost = round(2 * recompute_weight * recompute_traffic(bsym))
+        if dear[i]:
+            cost = max(1, round(2 * price * op_seconds(bsym, rates)))
+        else:
+            cost = round(2 * recompute_weight * op_traffic(bsym))
         if cost:
             graph.add_edge(_SOURCE, ("op", i), capacity=cost)
         for a in bsym.flat_proxy_args:
@@ -192,9 +217,23 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0) -> SavePlan:
     order = {t.name: k for k, t in enumerate(saved)}
     kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
     after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
-    traffic = sum(recompute_traffic(bsyms[i]) for i in recompute)
+    traffic = sum(op_traffic(bsyms[i]) for i in recompute)
+    seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
     return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
-                    traffic_bytes=traffic)
+                    traffic_bytes=traffic, seconds=seconds)
+
+
+def recomputed_groups(forward: TraceCtx, plan: SavePlan, rates: DeviceRates = H200) -> tuple[Recomputed, ...]:
+    """What ``plan`` has the backward run again, grouped by op and source line (one group per line of a model's
+    block), the dearest first, with each group's estimated time on a device of ``rates``."""
+    groups: dict[tuple[str, str | None], list[float]] = {}
+    for i in plan.recompute:
+        bsym = forward.bound_symbols[i]
+        line = bsym.source_positions.lineno if bsym.source_positions else None
+        source = f"{bsym.source_filename}:{line}" if bsym.source_filename else None
+        groups.setdefault((bsym.sym.name, source), []).append(op_seconds(bsym, rates))
+    rows = [Recomputed(symbol, source, len(times), sum(times)) for (symbol, source), times in groups.items()]
+    return tuple(sorted(rows, key=lambda r: -r.seconds))
 
 
 def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:

@@ -68,29 +68,28 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
     return best, won
 
 
-def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory | None = None
-                 ) -> tuple[TraceCtx, TraceCtx, StepMemory]:
-    """A forward and its backward with the trace that holds the step's peak (by ``step.estimate_traces`` of the
-    pair) in its best order: the step's peak first, then that trace's own. The other trace cannot lower the
-    step's peak, so it is left as it is (ordering it would cost time and win nothing). Also returns the estimate
-    of the pair returned. ``estimate``: the pair's ``estimate_traces``, when the caller has it."""
-    base = estimate if estimate is not None else estimate_traces(forward, backward)
+def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory | None = None,
+                 estimator=estimate_traces) -> tuple[TraceCtx, TraceCtx, StepMemory]:
+    """A forward and its backward with the trace that holds the step's peak (by ``estimator``, the step's
+    estimate: ``step.estimate_traces``) in its best order: the step's peak first, then that trace's own. The other
+    trace cannot lower the step's peak, so it is left as it is (ordering it would cost time and win nothing). Also
+    returns the estimate of the pair returned. ``estimate``: the pair's, when the caller has it."""
+    base = estimate if estimate is not None else estimator(forward, backward)
     judged: dict[int, StepMemory] = {}
     # The backward's phase does not depend on the forward's order (it receives the same saved tensors), nor the
     # forward's phase on the backward's: a candidate needs only its own trace analysed.
     if base.peak_stage is Stage.FORWARD:
         def judge_forward(trace):
-            own = estimate_traces(trace)
-            judged[id(trace)] = own
-            return max(own.forward_peak_bytes, base.backward_peak_bytes), own.forward_peak_bytes
+            own = estimator(trace)  # the forward's phases: the forward, and the loss where one is counted
+            return max(own.peak_bytes, base.backward_peak_bytes), own.forward_peak_bytes
 
         new_forward, _ = reorder(forward, judge_forward, current=(base.peak_bytes, base.forward_peak_bytes))
         if new_forward is forward:
             return forward, backward, base
-        return new_forward, backward, estimate_traces(new_forward, backward)
+        return new_forward, backward, estimator(new_forward, backward)
     if base.peak_stage is Stage.BACKWARD:
         def judge_backward(trace):
-            step = judged[id(trace)] = estimate_traces(forward, trace, reuse=base)
+            step = judged[id(trace)] = estimator(forward, trace, reuse=base)
             return step.peak_bytes, step.backward_peak_bytes
 
         new_backward, _ = reorder(backward, judge_backward, clear_mutable_collections=True,

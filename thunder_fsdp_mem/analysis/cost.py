@@ -1,0 +1,107 @@
+"""What running a bound symbol again costs in time, by a roofline: the larger of its arithmetic at the device's peak
+rate and its memory traffic at the device's bandwidth. The memory budget (``passes.budget``) ranks what to
+recompute by this time per byte of peak removed.
+
+Entry point: ``op_seconds(bsym, rates=H200) -> float``.
+
+- ``matmul`` / ``linear``: 2 x M x N x K floating-point operations at the tensor cores' rate for the dtype;
+- the attention kernels of Thunder's sdpa executor (flash and memory-efficient): 4 x B x H x Tq x Tk x D
+  operations, half of it under a causal mask;
+- a fusion region: the arithmetic of the matmuls and attention among its subsymbols, and the traffic of its own
+  inputs and outputs (what a fused kernel reads and writes);
+- every other op: the bytes of its tensor arguments and outputs; views and reshapes launch no kernel and cost
+  nothing.
+
+Assumptions, to be checked against measured step times (``docs/design.md``): peak rates are reached (no launch
+overhead, no occupancy loss), and an op is bound by one of the two rates. The rates are a small typed table
+(``DeviceRates``); ``H200`` holds what the device's README and NVIDIA's data sheet give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from thunder_fsdp_mem.analysis.symbols import (
+    RESHAPE_OPS, VIEW_OPS, dtype_name, is_fusion, nbytes, shape, sym_id, tensor_args, tensor_outputs,
+)
+
+MATMULS = frozenset({"matmul", "linear"})
+ATTENTION = frozenset({
+    "sdpaex_grad_forward_scaled_dot_product_efficient_attention",
+    "sdpafx_grad_forward_scaled_dot_product_efficient_attention",  # Thunder's name for the flash kernel
+})
+_NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceRates:
+    """Peak rates of one device.
+
+    name: what the device is called in reports.
+    matmul_flops: dense matrix arithmetic per second, by Thunder's short dtype name (``bf16``, ``f16``, ``f32``).
+    bandwidth: bytes per second between the device's memory and its cores.
+    """
+
+    name: str
+    matmul_flops: Mapping[str, float]
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.matmul_flops or any(not rate > 0 for rate in self.matmul_flops.values()):
+            raise ValueError(f"DeviceRates.matmul_flops must give a positive rate per dtype, got {self.matmul_flops!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"DeviceRates.bandwidth must be positive, got {self.bandwidth!r}")
+
+    def flops(self, dtype: str) -> float:
+        """The matrix rate for ``dtype``; the float32 rate for a dtype the table does not name."""
+        return self.matmul_flops.get(dtype, self.matmul_flops.get("f32", min(self.matmul_flops.values())))
+
+
+# H200 SXM: bf16 and f16 dense matrix work at the about 790 TFLOP/s measured on the lent machine (NVIDIA's data
+# sheet: 989); float32 at 67 TFLOP/s (no TF32: torch's default precision); HBM3e at 4.8 TB/s (data sheet).
+H200 = DeviceRates(name="H200", matmul_flops=MappingProxyType({"bf16": 790e12, "f16": 790e12, "f32": 67e12}),
+                   bandwidth=4.8e12)
+
+
+def op_flops(bsym) -> tuple[float, str]:
+    """Floating-point operations of ``bsym``'s matmuls and attention (inside a fusion region too), and the dtype
+    they run in; (0, "") for an op without them."""
+    if is_fusion(bsym):
+        found = [op_flops(sub) for sub in bsym.subsymbols]
+        total = sum(f for f, _ in found)
+        return total, next((d for f, d in found if f), "")
+    sid = sym_id(bsym)
+    args = tensor_args(bsym)
+    if sid in MATMULS and len(args) >= 2:
+        out = tensor_outputs(bsym)[0]
+        k = shape(args[0])[-1]
+        numel = 1
+        for s in shape(out):
+            numel *= s
+        return 2.0 * numel * k, dtype_name(out)
+    if sid in ATTENTION and len(args) >= 3:
+        q, key = shape(args[0]), shape(args[1])
+        *batch, tq, d = q
+        tk = key[-2]
+        heads = 1
+        for s in batch:
+            heads *= s
+        causal = bool(bsym.kwargs.get("is_causal", bsym.args[5] if len(bsym.args) > 5 else False))
+        return 4.0 * heads * tq * tk * d * (0.5 if causal else 1.0), dtype_name(args[0])
+    return 0.0, ""
+
+
+def op_traffic(bsym) -> int:
+    """Bytes ``bsym`` reads and writes: nothing for views and reshapes, which launch no kernel; a fusion region's
+    own inputs and outputs; every tensor argument and output otherwise."""
+    if not is_fusion(bsym) and sym_id(bsym) in _NO_KERNEL:
+        return 0
+    return sum(nbytes(t) for t in (*tensor_args(bsym), *tensor_outputs(bsym)))
+
+
+def op_seconds(bsym, rates: DeviceRates = H200) -> float:
+    """The time ``bsym`` takes on a device of ``rates``, by the roofline (see the module's docstring)."""
+    flops, dtype = op_flops(bsym)
+    return max(flops / rates.flops(dtype) if flops else 0.0, op_traffic(bsym) / rates.bandwidth)
