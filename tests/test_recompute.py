@@ -135,3 +135,20 @@ def test_a_rewrite_that_reads_a_deleted_tensor_fails_the_check(traces):
     broken.bound_symbols = [*bsyms[:delete_at - 1], bsyms[delete_at], bsyms[delete_at - 1], *bsyms[delete_at + 1:]]
     with pytest.raises(checks.CheckError, match="after its del"):
         checks.check_program(broken)
+
+
+def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_dropout():
+    from thunder.executors.sdpaex import sdpfa_gradfwd
+
+    q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
+
+    def attention(p):
+        trace = thunder.trace()(lambda a, b, c: sdpfa_gradfwd(a, b, c, p, True), q, q, q)
+        return next(b for b in trace.bound_symbols if "attention" in b.sym.name)
+
+    x, w = torch.randn(4, 8), torch.randn(16, 8)
+    linear = next(b for b in thunder.trace()(lambda a, b: ltorch.linear(a, b), x, w).bound_symbols
+                  if b.sym.name == "linear")
+    for dear in (linear, attention(0.0)):
+        assert recompute.priced(dear) and not recompute.recomputable(dear)
+    assert not recompute.priced(attention(0.1))  # its random mask would differ in backward

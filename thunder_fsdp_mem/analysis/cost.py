@@ -28,10 +28,14 @@ from thunder_fsdp_mem.analysis.symbols import (
 )
 
 MATMULS = frozenset({"matmul", "linear"})
-ATTENTION = frozenset({
-    "sdpaex_grad_forward_scaled_dot_product_efficient_attention",
-    "sdpafx_grad_forward_scaled_dot_product_efficient_attention",  # Thunder's name for the flash kernel
-})
+# Thunder's sdpa executor's forwards, by name, with the positions of their dropout and causal arguments: the
+# memory-efficient kernel's (query, key, value, attn_mask, dropout_p, is_causal, scale), and the flash kernel's,
+# which Thunder names ``sdpafx_..._efficient_attention`` too: (query, key, value, dropout_p, is_causal).
+_ATTENTION_OPTIONS = {
+    "sdpaex_grad_forward_scaled_dot_product_efficient_attention": (4, 5),
+    "sdpafx_grad_forward_scaled_dot_product_efficient_attention": (3, 4),
+}
+ATTENTION = frozenset(_ATTENTION_OPTIONS)
 _NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}
 
 
@@ -88,9 +92,17 @@ def op_flops(bsym) -> tuple[float, str]:
         heads = 1
         for s in batch:
             heads *= s
-        causal = bool(bsym.kwargs.get("is_causal", bsym.args[5] if len(bsym.args) > 5 else False))
+        causal = attention_options(bsym)[1]
         return 4.0 * heads * tq * tk * d * (0.5 if causal else 1.0), dtype_name(args[0])
     return 0.0, ""
+
+
+def attention_options(bsym) -> tuple[float, bool]:
+    """(dropout probability, causal) of one of Thunder's sdpa forwards."""
+    dropout_at, causal_at = _ATTENTION_OPTIONS[sym_id(bsym)]
+    dropout = bsym.kwargs.get("dropout_p", bsym.args[dropout_at] if len(bsym.args) > dropout_at else 0.0)
+    causal = bsym.kwargs.get("is_causal", bsym.args[causal_at] if len(bsym.args) > causal_at else False)
+    return float(dropout), bool(causal)
 
 
 def op_traffic(bsym) -> int:

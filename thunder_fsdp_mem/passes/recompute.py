@@ -49,7 +49,9 @@ from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_fsdp_mem.analysis.cost import ATTENTION, H200, MATMULS, DeviceRates, op_seconds, op_traffic
+from thunder_fsdp_mem.analysis.cost import (
+    ATTENTION, H200, MATMULS, DeviceRates, attention_options, op_seconds, op_traffic,
+)
 from thunder_fsdp_mem.analysis.symbols import (
     ELEMENTWISE_OPS, RESHAPE_OPS, UNPACK_IDS, VIEW_OPS, WAITS, def_use, is_copy_into, is_fusion, nbytes, sym_id,
     without_dels,
@@ -130,8 +132,7 @@ def priced(bsym) -> bool:
         return bool(bsym.subsymbols) and all(recomputable(s) or priced(s) for s in bsym.subsymbols)
     sid = sym_id(bsym)
     if sid in ATTENTION:
-        dropout = bsym.kwargs.get("dropout_p", bsym.args[4] if len(bsym.args) > 4 else 0.0)
-        return not dropout
+        return attention_options(bsym)[0] == 0.0
     return sid in PRICED_OPS
 
 
