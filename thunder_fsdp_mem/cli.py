@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--executors", choices=EXECUTOR_CHOICES, default="default+cat",
                         help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
                              "benchmarks/compare.py (default default+cat)")
+    report.add_argument("--memory-budget", metavar="SIZE", default=None,
+                        help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
+                             "recomputes matmuls and attention in backward where it must; shows what, and the "
+                             "predicted added time (implies --transform)")
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
@@ -85,6 +89,20 @@ def _validate(args) -> None:
         raise _UsageError(f"--top must be 0 or more, got {args.top}")
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.memory_budget is not None:
+        from thunder_fsdp_mem.units import parse_bytes
+
+        try:
+            args.memory_budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise _UsageError(f"--memory-budget: {e}") from None
+        if args.memory_budget == 0:
+            raise _UsageError("--memory-budget must be more than 0 bytes")
+        args.transform = True
+        if args.measure and args.mode == "fsdp2":
+            raise _UsageError("--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
+                              "block's share of the budget comes from the prediction: benchmarks/compare.py "
+                              "--modes fsdp2-thunder+mem@budget=SIZE measures it")
     if args.measure:
         _validate_measure(args)
     if args.mode == "jit":
@@ -164,21 +182,21 @@ def _measure(args, spec, memory):
 
 def _report(args) -> int:
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.predict.emulate import trace_step
+    from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
     from thunder_fsdp_mem.report import build_report, render_json, render_plot, render_text
     from thunder_fsdp_mem.training import models
-    from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
-    plans = [None, FSDPMemoryTransform(MemoryConfig())] if args.transform else [None]
+    plans = [None, MemoryConfig(memory_budget=args.memory_budget)] if args.transform else [None]
     steps = []
+    transform = None
     measured = None
     if args.measure:
         try:
             shown = os.environ.get("RANK", "0") == "0"
             with _progress(1, "compiling and measuring one step", shown=shown) as advance:
-                measured = _measure(args, spec, plans[-1].config if plans[-1] is not None else None)
+                measured = _measure(args, spec, plans[-1])
                 advance()
         except Exception as e:  # noqa: BLE001 - the run failed (out of memory, a bug): one line unless -v
             if args.verbose:
@@ -191,11 +209,15 @@ def _report(args) -> int:
     try:
         what = "one block" if args.mode == "fsdp2" else f"{n_layers} layers"
         with _progress(len(plans), f"tracing {what} on the meta device") as advance:
-            for transform in plans:
-                steps.append(trace_step(spec, mode=args.mode, shard=args.shard, world_size=args.world_size,
-                                        device_type=args.device, dtype=models.DTYPES[args.dtype],
-                                        micro_batch_size=args.micro_batch_size, executors=args.executors,
-                                        transform=transform))
+            options = dict(mode=args.mode, shard=args.shard, world_size=args.world_size, device_type=args.device,
+                           dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
+                           executors=args.executors)
+            for config in plans:
+                if config is None:
+                    steps.append(trace_step(spec, **options))
+                else:
+                    step, transform = plan_step(spec, config, **options)
+                    steps.append(step)
                 advance()
     except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
         if args.verbose:
@@ -212,7 +234,8 @@ def _report(args) -> int:
 
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
-                          measured=comparison, rewrites=tuple(plans[-1].rewrites) if args.transform else ())
+                          measured=comparison, rewrites=tuple(transform.rewrites) if transform else (),
+                          budget=args.memory_budget)
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     try:

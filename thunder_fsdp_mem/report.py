@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.analysis.step import StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
@@ -61,6 +62,7 @@ class Report:
     plans: tuple[Plan, ...]
     measured: Comparison | None = None
     rewrites: tuple[Rewrite, ...] = ()  # what each pass of the transform did, for the plan with it
+    budget: int | None = None  # the per-rank peak the plan with the transform was asked to fit
 
     @property
     def shown(self) -> Plan:
@@ -68,12 +70,16 @@ class Report:
 
 
 def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
-                 measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = ()) -> Report:
+                 measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = (),
+                 budget: int | None = None) -> Report:
     """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
-    ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``."""
+    ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``;
+    ``budget``: the per-rank peak it was asked to fit."""
     plans = [] if baseline is None else [_plan("without transform", baseline, top)]
-    plans.append(_plan("with transform" if baseline is not None else "estimate", step, top))
-    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites))
+    label = "estimate" if baseline is None else ("with transform" if budget is None else
+                                                  f"with transform, budget {format_bytes(budget)}")
+    plans.append(_plan(label, step, top))
+    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget)
 
 
 def _plan(label: str, step: StepMemory, top: int) -> Plan:
@@ -149,6 +155,7 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     if report.rewrites:
         _print_rewrites(console, report.rewrites)
         console.print()
+        _print_recomputed(console, report)
     shown = report.shown
     console.print(f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
                   "symbol and source line counted once, as in repeated layers):", soft_wrap=True)
@@ -206,6 +213,40 @@ def _print_rewrites(console, rewrites: tuple[Rewrite, ...]) -> None:
     console.print(table)
 
 
+RECOMPUTED_ROWS = 8
+
+
+def _print_recomputed(console, report: Report) -> None:
+    """What the plan has the backward run again, by op and source line, the dearest first, with the predicted
+    added time; and whether the budget is met."""
+    for r in report.rewrites:
+        if not r.recomputed or r.outcome.value != "applied":
+            continue
+        total = sum(g.count for g in r.recomputed)
+        console.print(f"Recomputed in backward ({r.pass_name}, trace pair {r.pair}): {total} symbols, predicted to "
+                      f"add {_seconds(r.added_seconds or 0.0)} on {H200.name} (dearest first):", soft_wrap=True)
+        table = _table("symbol", "count", "predicted time")
+        table.add_column("source", overflow="fold")
+        for g in r.recomputed[:RECOMPUTED_ROWS]:
+            table.add_row(g.symbol, f"x{g.count}", _seconds(g.seconds), _short(g.source))
+        if len(r.recomputed) > RECOMPUTED_ROWS:
+            rest = r.recomputed[RECOMPUTED_ROWS:]
+            table.add_row(f"{len(rest)} more", f"x{sum(g.count for g in rest)}",
+                          _seconds(sum(g.seconds for g in rest)), "")
+        console.print(table)
+        console.print()
+    if report.budget is not None:
+        peak = report.shown.step.peak_bytes
+        verdict = "met" if peak <= report.budget else "cannot be met: the least peak the plan reaches is"
+        console.print(f"Budget {format_bytes(report.budget)} per rank: {verdict} {format_bytes(peak)}",
+                      style="bold" if peak <= report.budget else "yellow", soft_wrap=True)
+        console.print()
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
+
+
 def _print_measured(console, m: Comparison) -> None:
     n = len(m.ranks_peak_bytes)
     where = (f"one {m.device_type} process" if n == 1 else
@@ -236,6 +277,7 @@ def render_json(report: Report) -> dict:
         **_plan_json(shown),
         "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
         "transform_passes": [{**dataclasses.asdict(r), "outcome": r.outcome.value} for r in report.rewrites],
+        "budget_bytes": report.budget,
     }
     m = report.measured
     if m is not None:

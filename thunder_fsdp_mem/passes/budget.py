@@ -1,7 +1,7 @@
 """Fit a memory budget: recompute more of the forward in backward, matmuls and attention included, choosing what
 to recompute by the least estimated time per byte of peak removed, until the step's estimated peak fits.
 
-Entry point: ``fit(forward, backward, *, fits, judge, recompute_weight, rates) -> Fit``.
+Entry point: ``fit(forward, backward, *, excess, judge, recompute_weight, rates) -> Fit``.
 
 ``recompute.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
 expensive ops run again (``cost.op_seconds``): each second of recomputation costs ``price`` bytes. At a high price
@@ -10,10 +10,10 @@ recomputes least while it fits is the one at the highest price that fits. Saving
 (what the backward recomputes is alive in backward too), so the peak is not monotone in the price: ``fit`` tries
 the cut without a price, then ``GRID`` prices from the highest down to 0; if one fits, it bisects the price's
 logarithm between the highest that fits and the next above it; if none fits, the budget cannot be met
-(``Fit.reached`` is False) and the plan with the least peak among those tried is the answer. Every candidate is
-the pair as it came, rewritten by ``recompute.apply_plan`` and judged by ``judge`` (the transform's estimate of
-the step, with the loss and the optimizer state it is told of); ``fits`` says whether an estimate is within the
-budget. Pure: the traces given are not changed.
+(``Fit.reached`` is False) and the plan nearest to it among those tried is the answer. Every candidate is the
+pair as it came, rewritten by ``recompute.apply_plan`` and judged by ``judge`` (the transform's estimate of the
+step, with the loss and the optimizer state it is told of); ``excess`` says by how many bytes an estimate is over
+the budget (0: it fits). Pure: the traces given are not changed.
 
 Cost: one cut, one rewrite and one estimate per candidate, at most ``2 + len(GRID) + BISECTIONS``.
 """
@@ -56,16 +56,16 @@ class Fit:
         return self.plan.seconds
 
 
-def fit(forward: TraceCtx, backward: TraceCtx, *, fits: Callable[[StepMemory], bool],
+def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory], int],
         judge: Callable[[TraceCtx, TraceCtx], StepMemory], recompute_weight: float,
         rates: DeviceRates = H200) -> Fit:
-    """The plan that fits ``fits`` recomputing least (see the module's docstring)."""
+    """The plan whose ``excess`` is 0 recomputing least (see the module's docstring)."""
 
     def attempt(price: float | None) -> Fit:
         plan = plan_saved(forward, recompute_weight=recompute_weight, price=price, rates=rates)
         new_forward, new_backward = apply_plan(forward, backward, plan) if plan.changes else (forward, backward)
         estimate = judge(new_forward, new_backward)
-        return Fit(plan, new_forward, new_backward, estimate, price, fits(estimate),
+        return Fit(plan, new_forward, new_backward, estimate, price, excess(estimate) <= 0,
                    recomputed_groups(forward, plan, rates))
 
     tried = [attempt(None)]
@@ -76,7 +76,7 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, fits: Callable[[StepMemory], b
         if tried[-1].reached:
             break
     else:
-        return min(tried, key=lambda f: f.estimate.peak_bytes)
+        return min(tried, key=lambda f: (excess(f.estimate), f.estimate.peak_bytes))
     best = tried[-1]
     if best.price == 0.0 or len(tried) < 3:
         return best

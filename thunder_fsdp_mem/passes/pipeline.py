@@ -93,11 +93,15 @@ def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Propos
 def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
     warning that names it and what is alive there, where they cannot be met."""
-    def fits(estimate) -> bool:
-        return ((config.memory_budget is None or estimate.peak_bytes <= config.memory_budget)
-                and (config.saved_budget is None or estimate.saved_bytes <= config.saved_budget))
+    def excess(estimate) -> int:
+        over = [0]
+        if config.memory_budget is not None:
+            over.append(estimate.peak_bytes - config.memory_budget)
+        if config.saved_budget is not None:
+            over.append(estimate.saved_bytes - config.saved_budget)
+        return max(over)
 
-    found = budget.fit(pair.forward, pair.backward, fits=fits, judge=lambda f, b: context.estimator(f, b),
+    found = budget.fit(pair.forward, pair.backward, excess=excess, judge=lambda f, b: context.estimator(f, b),
                        recompute_weight=config.recompute_weight)
     wanted = ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
                                                                   ("saved", config.saved_budget)) if n is not None)

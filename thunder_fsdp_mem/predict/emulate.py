@@ -5,7 +5,8 @@ memory for the model and no other ranks needed.
 (``thunder.jit``, or Thunder's fsdp over ``meta.fake_ranks``), runs one forward, the eager cross-entropy and the
 backward under ``meta.as_on`` (the traces as on the target device), and returns ``estimate_step`` of it with the
 AdamW state the step would hold. ``mode="fsdp2"`` is composed by ``fsdp2.compose_step`` instead (FSDP2 cannot run
-on meta).
+on meta). ``plan_step(spec, config, ...)`` is the step with ``FSDPMemoryTransform(config)``, a memory budget
+included: under FSDP2 each block's transform gets its share of it (``fsdp2.fit_budget``).
 
 For Thunder's fsdp on stablecode-3b and Llama-3-8B the estimate is the one the GPU run's own traces give, to the
 byte; under FSDP2, the transform's record on meta is the GPU run's (docs/accuracy.md). Without the ``cat``
@@ -14,6 +15,7 @@ region, ThunderFX's block took another recomputation plan and the fsdp2+mem pred
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -21,6 +23,7 @@ import thunder
 from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
+from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.meta import as_on, fake_ranks
 from thunder_fsdp_mem.training import models, runtime
@@ -47,7 +50,7 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
     if mode == "fsdp2":
         return fsdp2.compose_step(spec, world_size=world_size, shard=shard, device_type=device_type, dtype=dtype,
                                   micro_batch_size=micro_batch_size, executors=executors, transform=transform)
-    transforms = [transform] if transform is not None else []
+    transforms = [transform] if transform is not None else []  # fresh: thunder.jit keeps the list
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
     chosen = runtime.executors(executors)
     with ranks, as_on(device_type, chosen):
@@ -64,3 +67,17 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
         loss.backward()
         optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
         return estimate_step(jitted, loss="cross_entropy", optimizer=optimizer, device_type=device_type)
+
+
+def plan_step(spec: models.ModelSpec, config: MemoryConfig, **options) -> tuple[StepMemory, FSDPMemoryTransform]:
+    """``trace_step(spec, **options)`` with ``FSDPMemoryTransform(config)``, and that transform (its ``rewrites``
+    say what it did). With a ``memory_budget`` under FSDP2 the blocks run with the ``saved_budget`` that
+    ``fsdp2.fit_budget`` finds for the step."""
+    if options.get("mode", "jit") == "fsdp2" and config.memory_budget is not None:
+        options = {k: v for k, v in options.items() if k != "mode"}
+        step, _, transform = fsdp2.fit_budget(spec, config.memory_budget,
+                                              config=dataclasses.replace(config, memory_budget=None), **options)
+        return step, transform
+    transform = FSDPMemoryTransform(config)
+    return trace_step(spec, transform=transform, **options), transform
+

@@ -2,7 +2,8 @@
 ThunderFX traces of its blocks and what FSDP2 holds outside them. Traced on the meta device: no GPU, no memory
 for the model, no other ranks.
 
-Entry point: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``.
+Entry points: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``; ``fit_budget(spec, budget, ...)``,
+the ``MemoryConfig.saved_budget`` each block's transform needs for the step to fit a per-rank budget.
 
 The set-up is ``benchmarks/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``, ``wte``,
 ``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
@@ -56,6 +57,7 @@ from thunder_fsdp_mem.analysis.step import (
     Holder, Holdings, Key, Role, Stage, StepMemory, held_allocation, loss_allocations, step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
+from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
 from thunder_fsdp_mem.training import models, runtime
@@ -87,6 +89,36 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
         return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets).run()
+
+
+def fit_budget(spec: models.ModelSpec, budget: int, *, world_size: int, shard: str, config: MemoryConfig,
+               rounds: int = 3, **options) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
+    """A per-rank ``budget`` for the whole step, turned into what each block may save: FSDP2 compiles every block
+    alone, so its transform cannot see the step. The step's peak is where every block's saved tensors are alive
+    (the loss, the first blocks' backward), so each block saves its share of the excess less
+    (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step's peak is over the budget.
+    Returns the step, the config its blocks ran with, and their transform (whose ``rewrites`` say what it did).
+    ``options``: ``compose_step``'s."""
+    blocks = spec.config().n_layer
+    transform = FSDPMemoryTransform(config)
+    step = compose_step(spec, world_size=world_size, shard=shard, transform=transform, **options)
+    for _ in range(rounds):
+        excess = step.peak_bytes - budget
+        saved = _block_saved(step)
+        target = max(0, saved - -(-excess // blocks))
+        if excess <= 0 or saved == 0 or target == config.saved_budget:
+            break
+        config = dataclasses.replace(config, saved_budget=target)
+        transform = FSDPMemoryTransform(config)
+        step = compose_step(spec, world_size=world_size, shard=shard, transform=transform, **options)
+    return step, config, transform
+
+
+def _block_saved(step: StepMemory) -> int:
+    """What one block's forward saves for backward beyond its inputs (``step.forward`` is the block's)."""
+    f = step.forward
+    return sum(f.allocations[i].nbytes for i in set(f.outputs.values())
+               if f.allocations[i].category is Category.SAVED and not f.allocations[i].external)
 
 
 def unsupported(config) -> list[str]:
