@@ -7,7 +7,10 @@
 A mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1@ex=fused``. A
 Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused``: ``runtime.executors``; else
 ``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``, ``ag``:
-``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1.
+``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1, and
+``budget``: ``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
+``fsdp2.fit_budget``). A torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1
+(``inductor@amb=0.5``); ``inductor+ckpt`` checkpoints every block.
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -52,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from thunder_fsdp_mem.training import modes as mode_table  # noqa: E402
 from thunder_fsdp_mem.training import runtime  # noqa: E402
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig  # noqa: E402
-from thunder_fsdp_mem.units import format_bytes  # noqa: E402
+from thunder_fsdp_mem.units import format_bytes, parse_bytes  # noqa: E402
 
 
 class UsageError(Exception):
@@ -132,9 +135,11 @@ def validate(args) -> list[str]:
         variant = split_variant(m)
         if variant.memory and not variant.base.endswith("+mem"):
             raise UsageError(f"mode {m!r}: only +mem modes take the transform's options "
-                             f"({', '.join(k for k in VARIANT_KEYS if k != 'ex')})")
+                             f"({', '.join(k for k in VARIANT_KEYS if k not in ('ex', 'amb'))})")
         if variant.executors is not None and variant.base not in mode_table.THUNDER_MODES:
             raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
+        if variant.amb is not None and variant.base not in mode_table.INDUCTOR_MODES:
+            raise UsageError(f"mode {m!r}: only torch.compile's modes take @amb")
         try:
             MemoryConfig(**variant.memory)
         except (TypeError, ValueError) as e:
@@ -143,7 +148,7 @@ def validate(args) -> list[str]:
 
 
 VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters",
-                "fold": "fold_casts", "ex": "executors"}
+                "fold": "fold_casts", "budget": "memory_budget", "ex": "executors", "amb": "amb"}
 
 
 def _executor_choice(value: str) -> str:
@@ -152,18 +157,29 @@ def _executor_choice(value: str) -> str:
     return value
 
 
-_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice}
-_EXPECTED = {"fold": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}"}
+def _fraction(value: str) -> float:
+    fraction = float(value)
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(value)
+    return fraction
+
+
+_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice,
+          "budget": parse_bytes, "amb": _fraction}
+_EXPECTED = {"fold": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}", "amb": "a number from 0 to 1",
+             "budget": "a size (60GB, 55.9GiB)"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Variant:
     """A mode with its own options: ``base``, the mode; ``memory``, ``MemoryConfig`` options of a +mem mode;
-    ``executors``, a Thunder mode's executors (None: ``--executors``')."""
+    ``executors``, a Thunder mode's executors (None: ``--executors``'); ``amb``: a torch.compile mode's
+    ``activation_memory_budget`` (None: its default)."""
 
     base: str
     memory: dict
     executors: str | None = None
+    amb: float | None = None
 
 
 def split_variant(mode: str) -> Variant:
@@ -182,7 +198,8 @@ def split_variant(mode: str) -> Variant:
             raise UsageError(f"mode {mode!r}: {key} must be {_EXPECTED.get(key, 'a number')}, got {value!r}") \
                 from None
     executors = options.pop("executors", None)
-    return Variant(base, options, executors)
+    amb = options.pop("amb", None)
+    return Variant(base, options, executors, amb)
 
 
 def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
@@ -398,13 +415,30 @@ def _setup(args, rank, result: dict):
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     variant = split_variant(args.worker)
-    trainer = mode_table.build(variant.base, spec, rank, shard=args.shard,
-                               executors=variant.executors or args.executors, dtype=models.DTYPES[args.dtype],
-                               memory=MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory}))
+    executors = variant.executors or args.executors
+    memory = MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory})
+    if variant.base == "fsdp2-thunder+mem" and memory.memory_budget is not None:
+        memory = _fsdp2_block_budget(args, spec, rank, executors, memory)
+        result["saved_budget"] = memory.saved_budget
+    trainer = mode_table.build(variant.base, spec, rank, shard=args.shard, executors=executors,
+                               dtype=models.DTYPES[args.dtype], memory=memory, activation_memory_budget=variant.amb)
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
     result.update(_estimate(trainer))
     return trainer, idx, targets
+
+
+def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) -> MemoryConfig:
+    """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as the prediction on
+    the meta device finds it (``fsdp2.fit_budget``); every rank finds the same."""
+    from thunder_fsdp_mem.predict import fsdp2
+    from thunder_fsdp_mem.training import models
+
+    _, config, _ = fsdp2.fit_budget(spec, memory.memory_budget, world_size=rank.world_size, shard=args.shard,
+                                    config=dataclasses.replace(memory, memory_budget=None),
+                                    device_type=args.device, dtype=models.DTYPES[args.dtype],
+                                    micro_batch_size=args.micro_batch_size, executors=executors)
+    return config
 
 
 @contextmanager

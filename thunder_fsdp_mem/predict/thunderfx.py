@@ -13,6 +13,7 @@ tells a reader nothing: each symbol is placed again at the line of the user's co
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from dis import Positions
@@ -25,6 +26,7 @@ from thunder.dynamo import ThunderCompiler
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.analysis.symbols import proxy_names
+from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 
@@ -61,6 +63,8 @@ def trace_blocks(gpt, idx: torch.Tensor, executors: list, transform: FSDPMemoryT
             f"the blocks compile to {len(backend.subgraph_infos)} graphs and {len(fns)} Thunder functions; the "
             "fsdp2 composition needs one graph that every block runs")
     sources = _fx_sources(backend.subgraph_infos[0].split_graph_module)
+    if transform is not None:  # what it recomputes, placed at the user's lines as the traces below are
+        transform.rewrites[:] = [_rewrite_at_user_lines(r, sources) for r in transform.rewrites]
     forward_trace = _placed_at_user_lines(thunder.last_traces(fns[0])[-1], sources)
     backward_trace = _placed_at_user_lines(thunder.last_backward_traces(fns[0])[-1], sources)
     activation = _activation_name(forward_trace, tuple(x.shape))
@@ -108,6 +112,17 @@ def _placed_at_user_lines(trace, sources: dict[tuple[str, int], str]):
     out = from_trace(trace)
     out.bound_symbols = [placed(bsym) for bsym in trace.bound_symbols]
     return out
+
+
+def _rewrite_at_user_lines(rewrite: Rewrite, sources: dict[tuple[str, int], str]) -> Rewrite:
+    def placed(source: str | None) -> str | None:
+        if source is None:
+            return None
+        filename, _, line = source.rpartition(":")
+        return sources.get((filename, int(line)), source) if line.isdigit() else source
+
+    recomputed = tuple(dataclasses.replace(g, source=placed(g.source)) for g in rewrite.recomputed)
+    return dataclasses.replace(rewrite, recomputed=recomputed)
 
 
 def _returned(trace) -> tuple[str, tuple[str, ...]]:

@@ -4,6 +4,9 @@
 cross-entropy loss computed eagerly on the logits as Thunder's ``benchmark_litgpt.py`` does, backward, AdamW
 step, ``zero_grad``). The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
 ``ln_f``, then the root, with a bf16 ``MixedPrecisionPolicy``; ``reshard_after_forward`` is on for zero3.
+``inductor+ckpt`` is torch.compile with every Block under activation checkpointing (``checkpoint_wrapper``,
+non-reentrant), the least memory torch offers; torch.compile's modes take ``activation_memory_budget``, its
+partitioner's budget (``torch._functorch.config``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ DISTRIBUTED_MODES = (
     "thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "fsdp2-inductor", "fsdp2-eager",
     "fsdp1-inductor",
 )
-SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "eager")
+SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "inductor+ckpt", "eager")
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
 COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
 BASELINES = ("fsdp2-inductor", "inductor")  # torch.compile's rows: what the other rows are measured against
 THUNDER_MODES = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "thunder",
                            "thunder+mem"})
+INDUCTOR_MODES = frozenset({"fsdp2-inductor", "fsdp1-inductor", "inductor", "inductor+ckpt"})
 
 
 def valid_modes(nproc: int) -> tuple[str, ...]:
@@ -89,12 +93,20 @@ class Trainer:
 
 def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
           executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory: MemoryConfig = MemoryConfig(),
-          probe=None) -> Trainer:
+          probe=None, activation_memory_budget: float | None = None) -> Trainer:
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
-    with Thunder."""
+    with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0)."""
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
+    if activation_memory_budget is not None:
+        if mode not in INDUCTOR_MODES:
+            raise ValueError(f"mode {mode} does not compile with torch.compile: it has no activation_memory_budget")
+        if not 0.0 <= activation_memory_budget <= 1.0:
+            raise ValueError(f"activation_memory_budget must be between 0 and 1, got {activation_memory_budget!r}")
+        import torch._functorch.config
+
+        torch._functorch.config.activation_memory_budget = activation_memory_budget
     builders: dict[str, Callable[..., Trainer]] = {
         "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None, probe=probe),
         "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory,
@@ -109,6 +121,7 @@ def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str =
         "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=None, probe=probe),
         "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=memory, probe=probe),
         "inductor": lambda: _plain(mode, spec, rank, dtype, compile_=True),
+        "inductor+ckpt": lambda: _plain(mode, spec, rank, dtype, compile_=True, checkpointed=True),
         "eager": lambda: _plain(mode, spec, rank, dtype, compile_=False),
     }
     if mode not in builders:
@@ -196,6 +209,11 @@ def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:
     return Trainer(mode, torch.compile(wrapped), _adamw(wrapped))
 
 
-def _plain(mode, spec, rank, dtype, *, compile_: bool) -> Trainer:
+def _plain(mode, spec, rank, dtype, *, compile_: bool, checkpointed: bool = False) -> Trainer:
     gpt = _gpt(spec, rank, dtype)
+    if checkpointed:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(gpt.transformer.h):
+            gpt.transformer.h[i] = checkpoint_wrapper(block)
     return Trainer(mode, torch.compile(gpt) if compile_ else gpt, _adamw(gpt))

@@ -1,0 +1,39 @@
+"""modes: the training set-ups compared. torch.compile's memory options: every block checkpointed, and the
+partitioner's activation memory budget, set where torch reads it and refused for modes that do not compile with
+torch.compile."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from configs import BY_NAME
+from thunder_fsdp_mem.training import models, modes, runtime
+
+CPU = runtime.Rank(0, 1, torch.device("cpu"))
+SPEC = dataclasses.replace(BY_NAME["llama"], n_layers=2, block_size=32)
+
+
+def test_checkpointed_blocks_compute_what_the_plain_model_computes():
+    idx, targets = models.batch(SPEC)
+    plain = modes.build("eager", SPEC, CPU, dtype=torch.float32)
+    checkpointed = modes.build("inductor+ckpt", SPEC, CPU, dtype=torch.float32)
+    assert all(isinstance(b, CheckpointWrapper) for b in checkpointed.model._orig_mod.transformer.h)
+    losses = [trainer.step(idx, targets) for trainer in (plain, checkpointed)]
+    torch.testing.assert_close(losses[0], losses[1])  # one step apart: the same start, the same first loss
+
+
+def test_the_activation_memory_budget_is_torch_compiles():
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.activation_memory_budget
+    try:
+        modes.build("inductor", SPEC, CPU, activation_memory_budget=0.3)
+        assert functorch_config.activation_memory_budget == 0.3
+    finally:
+        functorch_config.activation_memory_budget = before
+    with pytest.raises(ValueError, match="mode thunder does not compile with torch.compile"):
+        modes.build("thunder", SPEC, CPU, activation_memory_budget=0.5)
+    with pytest.raises(ValueError, match="activation_memory_budget must be between 0 and 1, got 1.5"):
+        modes.build("inductor", SPEC, CPU, activation_memory_budget=1.5)
