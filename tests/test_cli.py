@@ -120,3 +120,27 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
                                                                                           "rematerialization"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
+
+
+def test_a_model_thunder_cannot_trace_is_said_so_in_one_line(capsys):
+    # Mixtral's mixture-of-experts MLP: Thunder's interpreter refuses its torch.where under thunder.jit; traced as
+    # FSDP2's blocks (ThunderFX), its routing needs data the meta device does not have.
+    mixtral = ["report", "--model", "Mixtral-8x7B-v0.1", "--n-layers", "1", "--block-size", "16"]
+    assert main([*mixtral, "--mode", "jit"]) == 1
+    err = capsys.readouterr().err
+    assert "Thunder cannot trace Mixtral-8x7B-v0.1 in --mode jit" in err and "cannot predict it" in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1 and "Traceback" not in err
+    assert main([*mixtral, "--mode", "fsdp2"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be traced on the meta device: an op's output shape depends on the data" in err
+
+
+def test_a_prediction_beyond_the_device_says_so(capsys):
+    # 10 million tokens: the logits alone are 10^7 x 50304 x 2 bytes, a terabyte (no host memory for the batch:
+    # models.batch on meta makes shapes only).
+    idx, _ = models.batch(models.ModelSpec(name="pythia-14m", block_size=10**9), device="meta")
+    assert idx.shape == (1, 10**9) and idx.device.type == "meta"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", str(10**7),
+                 "--mode", "jit"]) == 0
+    assert "(more than an H200 holds: 140.40 GiB)" in capsys.readouterr().out.strip().splitlines()[-1]
+

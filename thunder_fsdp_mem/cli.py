@@ -219,11 +219,11 @@ def _report(args) -> int:
                     step, transform = plan_step(spec, config, **options)
                     steps.append(step)
                 advance()
-    except Exception as e:  # noqa: BLE001 - a bug, not a user error: one line unless -v asks for the traceback
+    except Exception as e:  # noqa: BLE001 - a model Thunder cannot trace, or a bug: one line unless -v
         if args.verbose:
             raise
-        print(f"thunder-fsdp-mem: internal error while tracing: {type(e).__name__}: {_first_line(e)} (run with -v "
-              f"for the traceback)", file=sys.stderr)
+        print(f"thunder-fsdp-mem: {_tracing_failure(e, args, spec)} (run with -v for the traceback)",
+              file=sys.stderr)
         return 1
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
     title = (f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
@@ -248,6 +248,40 @@ def _report(args) -> int:
         target = ("--json", args.json) if args.json and e.filename == args.json else ("--plot", args.plot)
         raise _UsageError(f"cannot write {target[0]} {target[1]}: {e.strerror or e}") from None
     return 0
+
+
+def _tracing_failure(e: Exception, args, spec) -> str:
+    """What a failure while tracing on the meta device says to the user: Thunder cannot trace the model (the error
+    comes from Thunder's own code), the model needs values the meta device does not have (an op whose output shape
+    depends on the data, as a mixture of experts' routing), or an internal error of ours."""
+    error = f"{type(e).__name__}: {_first_line(e)}"
+    moe = "MoE" in getattr(spec.config(), "mlp_class_name", "")
+    if "data-independent" in str(e) or "data-dependent" in str(e):
+        return (f"{args.model} cannot be traced on the meta device: an op's output shape depends on the data"
+                f"{' (the experts routing of its mixture of experts)' if moe else ''}; {error}")
+    if _raised_in_thunder(e):
+        if moe:
+            hint = ("FSDP2 through ThunderFX splits the graph where Thunder cannot go and runs it (benchmarks/"
+                    "compare.py --modes fsdp2-thunder), but its experts' routing cannot be traced on the meta "
+                    "device, so the report cannot predict it")
+        elif args.mode != "fsdp2":
+            hint = "--mode fsdp2 (FSDP2 through ThunderFX) splits the graph where Thunder cannot go"
+        else:
+            hint = "Thunder's fsdp traces the model whole: --mode thunder-fsdp"
+        return f"Thunder cannot trace {args.model} in --mode {args.mode}: {error}; {hint}"
+    return f"internal error while tracing: {error}"
+
+
+def _raised_in_thunder(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e`` (or of what caused it) is in Thunder's package."""
+    while e is not None:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and f"{os.sep}thunder{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        e = e.__cause__
+    return False
 
 
 def _first_line(e: Exception) -> str:

@@ -173,6 +173,8 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     console.print()
     step = shown.step
     last = f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"
+    if step.peak_bytes > H200.memory:
+        last += f" (more than an {H200.name} holds: {format_bytes(H200.memory)})"
     if report.measured is not None:
         m = report.measured
         _print_measured(console, m)

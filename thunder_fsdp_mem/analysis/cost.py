@@ -46,11 +46,13 @@ class DeviceRates:
     name: what the device is called in reports.
     matmul_flops: dense matrix arithmetic per second, by Thunder's short dtype name (``bf16``, ``f16``, ``f32``).
     bandwidth: bytes per second between the device's memory and its cores.
+    memory: bytes the device holds (0: not said).
     """
 
     name: str
     matmul_flops: Mapping[str, float]
     bandwidth: float
+    memory: int = 0
 
     def __post_init__(self) -> None:
         if not self.matmul_flops or any(not rate > 0 for rate in self.matmul_flops.values()):
@@ -64,9 +66,10 @@ class DeviceRates:
 
 
 # H200 SXM: bf16 and f16 dense matrix work at the about 790 TFLOP/s measured on the lent machine (NVIDIA's data
-# sheet: 989); float32 at 67 TFLOP/s (no TF32: torch's default precision); HBM3e at 4.8 TB/s (data sheet).
+# sheet: 989); float32 at 67 TFLOP/s (no TF32: torch's default precision); HBM3e at 4.8 TB/s (data sheet); 143771
+# MiB of memory (nvidia-smi on the lent machine).
 H200 = DeviceRates(name="H200", matmul_flops=MappingProxyType({"bf16": 790e12, "f16": 790e12, "f32": 67e12}),
-                   bandwidth=4.8e12)
+                   bandwidth=4.8e12, memory=143771 * 2**20)
 
 
 def op_flops(bsym) -> tuple[float, str]:

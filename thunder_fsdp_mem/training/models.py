@@ -69,10 +69,14 @@ def build(spec: ModelSpec, *, dtype: torch.dtype = torch.bfloat16, device: str |
 
 def batch(spec: ModelSpec, *, micro_batch_size: int = 1, device: str | torch.device = "cpu",
           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids and targets of shape (micro_batch_size, block_size)."""
+    """Random token ids and targets of shape (micro_batch_size, block_size); on the meta device, their shapes alone
+    (no host memory for a long sequence)."""
     cfg = spec.config()
-    g = torch.Generator().manual_seed(seed)
     shape = (micro_batch_size, spec.block_size)
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, dtype=torch.int64, device="meta"), torch.empty(shape, dtype=torch.int64,
+                                                                                   device="meta")
+    g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)
     targets = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)
     return idx, targets
