@@ -40,6 +40,7 @@ import difflib
 import fcntl
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,8 +94,13 @@ def parser() -> argparse.ArgumentParser:
                    help="modes run at once; they take turns on the devices, only thunder.jit compiles meanwhile")
     p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON (after each mode)")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart of peak memory per mode (PNG or SVG)")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds a mode may take, compilation included, before its processes are ended and its row "
+                        "says so (default 3600)")
     p.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
     p.add_argument("--turn-lock", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--inject-oom", metavar="RANK", type=int, default=None,
+                   help=argparse.SUPPRESS)  # tests: this rank's first backward symbol raises torch's OOM
     return p
 
 
@@ -107,6 +113,8 @@ def validate(args) -> list[str]:
         close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else ""
         raise UsageError(f"unknown model {args.model!r}{hint}")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be more than 0 seconds, got {args.timeout}")
     for field in ("nproc_per_node", "block_size", "micro_batch_size", "steps", "jobs"):
         if getattr(args, field) < 1:
             raise UsageError(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
@@ -247,10 +255,20 @@ def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
     if lock is not None:
         cmd += ["--turn-lock", lock]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    ranks = runtime.read_results(proc.stdout)
+    # A session of its own: at the timeout torchrun and every rank it started end together.
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, _ = proc.communicate()
+            ranks = runtime.read_results(stdout)
+            return _row(mode, status=f"timeout after {args.timeout:g} s",
+                        estimated_peak_bytes=max((r["estimated_peak_bytes"] or 0 for r in ranks), default=None))
+    ranks = runtime.read_results(stdout)
     if not ranks:
-        return _row(mode, status=f"error: {_last_line(proc.stderr)}")
+        return _row(mode, status=f"error: {_last_line(stderr)}")
     return _merge(mode, ranks)
 
 
@@ -259,6 +277,8 @@ def _forwarded(args) -> list[str]:
            str(args.micro_batch_size), "--shard", args.shard, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--executors", args.executors,
            "--recompute-weight", repr(args.recompute_weight)]
+    if args.inject_oom is not None:
+        out += ["--inject-oom", str(args.inject_oom)]
     if args.n_layers is not None:
         out += ["--n-layers", str(args.n_layers)]
     if args.memory_cap_gb is not None:
@@ -420,12 +440,29 @@ def _setup(args, rank, result: dict):
     if variant.base == "fsdp2-thunder+mem" and memory.memory_budget is not None:
         memory = _fsdp2_block_budget(args, spec, rank, executors, memory)
         result["saved_budget"] = memory.saved_budget
+    probe = _injected_oom(rank.rank) if args.inject_oom == rank.rank else None
     trainer = mode_table.build(variant.base, spec, rank, shard=args.shard, executors=executors,
-                               dtype=models.DTYPES[args.dtype], memory=memory, activation_memory_budget=variant.amb)
+                               dtype=models.DTYPES[args.dtype], memory=memory, activation_memory_budget=variant.amb,
+                               probe=probe)
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
     result.update(_estimate(trainer))
     return trainer, idx, targets
+
+
+def _injected_oom(rank: int):
+    """For tests: a Thunder transform whose first probe in a backward trace raises torch's out-of-memory error, as
+    the allocator would there, on one rank while the others go on into their collectives."""
+    import torch
+
+    from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
+
+    def probe(tag: int, index: int) -> None:
+        if transform.kinds[tag] == "backward":
+            raise torch.OutOfMemoryError(f"injected on rank {rank} (compare.py --inject-oom)")
+
+    transform = MemoryProbeTransform(probe)
+    return transform
 
 
 def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) -> MemoryConfig:

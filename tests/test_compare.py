@@ -129,3 +129,26 @@ def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     for plan, mode in ((without, "fsdp2-thunder"), (with_it, "fsdp2-thunder+mem")):
         measured = rows[mode]["peak_bytes"]
         assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)
+
+
+def test_an_oom_on_one_rank_in_a_transformed_step_is_an_oom_row_and_no_rank_hangs():
+    # Rank 1 runs out of memory at the start of its backward (compare.py --inject-oom: torch's own error, raised
+    # inside the transformed trace) while rank 0 goes on into its reduce-scatters: the row says OOM, and torchrun
+    # ends rank 0 instead of leaving it waiting, well within the timeout.
+    import time
+
+    start = time.perf_counter()
+    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "1",
+                "--block-size", "64", "--steps", "1", "--warmup", "1", "--modes", "thunder-fsdp+mem",
+                "--inject-oom", "1", "--timeout", "600", timeout=700)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| thunder-fsdp+mem | OOM |" in proc.stdout
+    assert time.perf_counter() - start < 600
+
+
+def test_a_mode_past_its_timeout_ends_with_its_ranks():
+    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "1",
+                "--block-size", "64", "--modes", "fsdp2-eager", "--timeout", "1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| fsdp2-eager | timeout after 1 s |" in proc.stdout
+
