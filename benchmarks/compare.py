@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py --nproc-per-node 2 --model stablecode-completion-alpha-3b --block-size 8192 \\
         [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] [--steps 10] \\
-        [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--json out.json] [--plot out.png]
+        [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--timeout 3600] [--json out.json] [--plot out.png]
 
 A mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1@ex=fused``. A
 Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused``: ``runtime.executors``; else
