@@ -85,3 +85,5 @@ def test_budgets_are_validated():
         MemoryConfig(budget_loss="mse")
     with pytest.raises(ValueError, match="MemoryConfig.budget_optimizer must be None or one of adamw"):
         MemoryConfig(budget_optimizer="sgd")
+    with pytest.raises(ValueError, match="they need rematerialize=True"):
+        MemoryConfig(memory_budget=10**9, rematerialize=False)

@@ -83,6 +83,9 @@ class MemoryConfig:
                f"None or one of {', '.join(BUDGET_LOSSES)}")
         _check("budget_optimizer", self.budget_optimizer, self.budget_optimizer in (None, *BUDGET_OPTIMIZERS),
                f"None or one of {', '.join(BUDGET_OPTIMIZERS)}")
+        if self.budgeted and not self.rematerialize:
+            raise ValueError("MemoryConfig.memory_budget and saved_budget are met by rematerialization: they need "
+                             "rematerialize=True")
 
     @property
     def budgeted(self) -> bool:
