@@ -144,3 +144,17 @@ def test_a_prediction_beyond_the_device_says_so(capsys):
                  "--mode", "jit"]) == 0
     assert "(more than an H200 holds: 140.40 GiB)" in capsys.readouterr().out.strip().splitlines()[-1]
 
+
+def test_piped_stderr_shows_progress_lines_and_no_import_noise():
+    # Run as a user's pipeline would: stderr is no terminal, so progress is plain lines; the warnings Thunder and
+    # torch print on import (transformer_engine, no CUDA runtime) are not the report's business.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "thunder_fsdp_mem.cli", "report", *SMALL], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "thunder-fsdp-mem: tracing 1 layer on the meta device: 0/1 ..." in proc.stderr
+    assert "thunder-fsdp-mem: tracing 1 layer on the meta device: 1/1 done" in proc.stderr
+    assert "transformer_engine" not in proc.stderr and "No CUDA runtime" not in proc.stderr
+

@@ -21,3 +21,36 @@ from thunder_fsdp_mem.report import pattern_name
 )
 def test_pattern_name(names, expected):
     assert pattern_name(names) == expected
+
+
+@pytest.fixture(scope="module")
+def report():
+    from thunder_fsdp_mem.predict.emulate import trace_step
+    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.training import models
+
+    step = trace_step(models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
+    return build_report(step, title="Llama-3.2-1B, 2 layers, 4096 tokens", top=10)
+
+
+@pytest.mark.parametrize("width", [80, 120, 180])
+def test_no_figure_is_ever_cut(report, width):
+    # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
+    # columns. Every figure of every row appears whole, at every width; a narrow table leaves whole columns out.
+    from thunder_fsdp_mem.report import _short, render_text
+    from thunder_fsdp_mem.units import format_bytes
+
+    text = render_text(report, width=width)
+    lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
+    assert max(len(line) for line in lines) <= width
+    table = text[text.index("Largest allocations"):]
+    header = next(line for line in table.splitlines() if line.startswith("name "))
+    for t in report.shown.top:
+        assert format_bytes(t.nbytes) in table and format_bytes(t.total_bytes) in table and f"x{t.count}" in table
+        if "shape" in header:
+            assert "x".join(map(str, t.shape)) in table
+        if "source" in header:
+            assert _short(t.source) in table
+    assert "…" not in table
+    if width >= 180:
+        assert "source" in header and "1x4096x128256" in table

@@ -4,25 +4,37 @@
 - ``estimate_step(fn) -> StepMemory``: peak memory of one forward and backward of a jitted module;
   ``estimate_traces(forward, backward)``: the same from two execution traces.
 - ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
+
+The names are imported when first asked for, so that importing a module of the package (the CLI's, whose
+``--help`` answers at once) does not import Thunder and torch.
 """
 
-from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import Allocation, InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step, estimate_traces
-from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.transform import FSDPMemoryTransform
-from thunder_fsdp_mem.units import format_bytes
+import importlib
 
-__all__ = [
-    "Allocation",
-    "Category",
-    "FSDPMemoryTransform",
-    "InputSpec",
-    "MemoryConfig",
-    "MemoryTimeline",
-    "StepMemory",
-    "analyze",
-    "estimate_step",
-    "estimate_traces",
-    "format_bytes",
-]
+_WHERE = {
+    "Category": "thunder_fsdp_mem.analysis.categories",
+    "Allocation": "thunder_fsdp_mem.analysis.liveness",
+    "InputSpec": "thunder_fsdp_mem.analysis.liveness",
+    "MemoryTimeline": "thunder_fsdp_mem.analysis.liveness",
+    "analyze": "thunder_fsdp_mem.analysis.liveness",
+    "StepMemory": "thunder_fsdp_mem.analysis.step",
+    "estimate_step": "thunder_fsdp_mem.analysis.step",
+    "estimate_traces": "thunder_fsdp_mem.analysis.step",
+    "MemoryConfig": "thunder_fsdp_mem.config",
+    "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
+    "format_bytes": "thunder_fsdp_mem.units",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'thunder_fsdp_mem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

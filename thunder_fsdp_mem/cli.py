@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import os
 import shutil
 import sys
+import time
+import warnings
 from contextlib import contextmanager
 
 DEFAULT_MODEL = "pythia-70m"
@@ -69,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_imports()
     try:
         args = _parser().parse_args(argv)
         _validate(args)
@@ -207,7 +211,7 @@ def _report(args) -> int:
         if measured is None:  # not rank 0: rank 0 reports
             return 0
     try:
-        what = "one block" if args.mode == "fsdp2" else f"{n_layers} layers"
+        what = "one block" if args.mode == "fsdp2" else f"{n_layers} layer{'s' if n_layers != 1 else ''}"
         with _progress(len(plans), f"tracing {what} on the meta device") as advance:
             options = dict(mode=args.mode, shard=args.shard, world_size=args.world_size, device_type=args.device,
                            dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
@@ -290,10 +294,21 @@ def _first_line(e: Exception) -> str:
 
 @contextmanager
 def _progress(total: int, what: str, *, shown: bool = True):
-    """A progress bar on stderr over the traces to make (each takes minutes at 32 layers); none where not
-    ``shown`` (the ranks but the first)."""
+    """A progress bar on stderr over the traces to make (each takes minutes at 32 layers), or, where stderr is no
+    terminal (piped, a log), one line as each starts and ends; nothing where not ``shown`` (the ranks but the
+    first)."""
     if not shown:
         yield lambda: None
+        return
+    if not sys.stderr.isatty():
+        start, done = time.perf_counter(), [0]
+
+        def advance() -> None:
+            done[0] += 1
+            _say(f"{what}: {done[0]}/{total} done ({time.perf_counter() - start:.0f} s)")
+
+        _say(f"{what}: 0/{total} ...")
+        yield advance
         return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -304,6 +319,18 @@ def _progress(total: int, what: str, *, shown: bool = True):
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(what, total=total)
         yield lambda: progress.advance(task)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"thunder-fsdp-mem: {line}\n")
+    sys.stderr.flush()
+
+
+def _quiet_imports() -> None:
+    """What Thunder and torch print on import that says nothing about the report: Thunder's warning that
+    transformer_engine is missing, torch's that no CUDA runtime is found (the report predicts CUDA without one)."""
+    warnings.filterwarnings("ignore", message="transformer_engine module not found")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def _run_as_rank() -> None:

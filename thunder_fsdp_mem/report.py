@@ -139,7 +139,7 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     console = Console(file=io.StringIO(), width=width, color_system="standard" if color else None,
                       force_terminal=color, highlight=False)
     plans = report.plans
-    console.print(report.title, soft_wrap=True)
+    console.print(report.title)
     console.print()
     summary = _table("step", *(p.label for p in plans))
     columns = [_summary(p.step) for p in plans]
@@ -158,18 +158,8 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         _print_recomputed(console, report)
     shown = report.shown
     console.print(f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
-                  "symbol and source line counted once, as in repeated layers):", soft_wrap=True)
-    wide = width >= 160  # a narrower terminal leaves out the symbol and the source line
-    columns = _TOP_COLUMNS if wide else _TOP_COLUMNS[:7]
-    top = _table(*(header for header, _, _ in columns))
-    for column, (_, least, most) in zip(top.columns, columns):
-        column.min_width, column.max_width, column.overflow = least, most, "ellipsis"
-        column.justify = "right" if column.header in ("count", "size each", "total") else "left"
-    for t in shown.top:
-        row = (t.name, f"x{t.count}", "x".join(str(d) for d in t.shape) or "-", t.dtype, format_bytes(t.nbytes),
-               format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source))
-        top.add_row(*row[:len(columns)])
-    console.print(top)
+                  "symbol and source line counted once, as in repeated layers):")
+    console.print(_top_table(shown.top, width))
     console.print()
     step = shown.step
     last = f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"
@@ -184,10 +174,39 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip("\n").splitlines())
 
 
-# The top allocations' columns: (header, least width, most width); the figures are never cut.
-_TOP_COLUMNS = (("name", None, 44), ("count", 5, None), ("shape", None, 22), ("dtype", 8, None),
-                ("size each", 10, None), ("total", 10, None), ("category", 20, None), ("symbol", None, 30),
-                ("source", None, 40))
+# The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
+# or not at all, so no figure, shape or source line is ever cut; only the name folds onto more lines.
+_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source")
+_LEFT_OUT_FIRST = ("source", "symbol", "category", "dtype", "shape")
+_NAME_WIDTH = 24  # the least width of the name column, which folds
+_GAP = 3  # between two columns: a space of padding on each side of a space of border
+
+
+def _top_table(top: tuple[TopAllocation, ...], width: int):
+    """The largest allocations at the peak as a table of at most ``width`` columns (see ``_LEFT_OUT_FIRST``)."""
+    rows = [(t.name, f"x{t.count}", "x".join(str(d) for d in t.shape) or "-", t.dtype, format_bytes(t.nbytes),
+             format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source)) for t in top]
+    need = {h: max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(_TOP_HEADERS)}
+    shown = list(_TOP_HEADERS)
+
+    def total() -> int:
+        return sum(need[h] if h != "name" else _NAME_WIDTH for h in shown) + _GAP * (len(shown) - 1)
+
+    for header in _LEFT_OUT_FIRST:
+        if total() <= width:
+            break
+        shown.remove(header)
+    table = _table(*shown)
+    for column in table.columns:
+        header = column.header
+        if header == "name":
+            column.no_wrap, column.overflow, column.min_width = False, "fold", _NAME_WIDTH
+        else:
+            column.no_wrap, column.min_width = True, need[header]
+        column.justify = "right" if header in ("count", "size each", "total") else "left"
+    for row in rows:
+        table.add_row(*(row[_TOP_HEADERS.index(h)] for h in shown))
+    return table
 
 
 def _table(first: str, *others: str):
@@ -204,7 +223,7 @@ def _table(first: str, *others: str):
 
 def _print_rewrites(console, rewrites: tuple[Rewrite, ...]) -> None:
     console.print("What the transform did, pass by pass (peaks estimated on the traces it saw: the loss and the "
-                  "optimizer state come on top):", soft_wrap=True)
+                  "optimizer state come on top):")
     table = _table("pass", "trace pair", "outcome", "estimated peak", "saved for backward", "seconds")
     table.add_column("note", overflow="fold")
     for r in rewrites:
@@ -226,7 +245,7 @@ def _print_recomputed(console, report: Report) -> None:
             continue
         total = sum(g.count for g in r.recomputed)
         console.print(f"Recomputed in backward ({r.pass_name}, trace pair {r.pair}): {total} symbols, predicted to "
-                      f"add {_seconds(r.added_seconds or 0.0)} on {H200.name} (dearest first):", soft_wrap=True)
+                      f"add {_seconds(r.added_seconds or 0.0)} on {H200.name} (dearest first):")
         table = _table("symbol", "count", "predicted time")
         table.add_column("source", overflow="fold")
         for g in r.recomputed[:RECOMPUTED_ROWS]:
@@ -241,7 +260,7 @@ def _print_recomputed(console, report: Report) -> None:
         peak = report.shown.step.peak_bytes
         verdict = "met" if peak <= report.budget else "cannot be met: the least peak the plan reaches is"
         console.print(f"Budget {format_bytes(report.budget)} per rank: {verdict} {format_bytes(peak)}",
-                      style="bold" if peak <= report.budget else "yellow", soft_wrap=True)
+                      style="bold" if peak <= report.budget else "yellow")
         console.print()
 
 
@@ -254,7 +273,7 @@ def _print_measured(console, m: Comparison) -> None:
     where = (f"one {m.device_type} process" if n == 1 else
              f"{n} {m.device_type} ranks; rank {m.rank} has the highest peak (per rank: "
              f"{', '.join(format_bytes(b) for b in m.ranks_peak_bytes)})")
-    console.print(f"Measured: one step of {m.trainer} on {where}, a probe after every symbol:", soft_wrap=True)
+    console.print(f"Measured: one step of {m.trainer} on {where}, a probe after every symbol:")
     table = _table("stage", "predicted", "measured", "error")
     for stage, predicted, measured in m.stages:
         error = f"{100 * (predicted - measured) / measured:+.2f}%" if measured else "-"
@@ -264,10 +283,10 @@ def _print_measured(console, m: Comparison) -> None:
                       format_bytes(m.measured_at_predicted_peak), "")
     table.add_row("with the optimizer step (not predicted)", "", format_bytes(m.step_peak_bytes), "")
     console.print(table)
-    console.print(f"  measured peak: {m.measured_peak_where}", soft_wrap=True)
+    console.print(f"  measured peak: {m.measured_peak_where}")
     if m.unpaired != (0, 0):
         console.print(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: "
-                      "the measured step did not run the traces the prediction has", style="yellow", soft_wrap=True)
+                      "the measured step did not run the traces the prediction has", style="yellow")
 
 
 def render_json(report: Report) -> dict:
