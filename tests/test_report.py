@@ -54,3 +54,21 @@ def test_no_figure_is_ever_cut(report, width):
     assert "…" not in table
     if width >= 180:
         assert "source" in header and "1x4096x128256" in table
+
+
+def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
+    # Worked out by hand: the eager cross-entropy holds its log_softmax, the nll_loss gradient and the logits'
+    # gradient, each the logits' size (1 x 4096 x 128256 bf16); without them the loss phase is that much lower, and
+    # the peak falls to whichever phase is then highest.
+    from thunder_fsdp_mem.analysis.step import Stage
+    from thunder_fsdp_mem.report import render_text
+
+    step = report.shown.step
+    assert step.peak_stage is Stage.LOSS
+    held = 3 * 4096 * 128256 * 2
+    loss = next(p for p in step.phases if p.stage is Stage.LOSS)
+    others = max(p.peak_bytes for p in step.phases if p is not loss)
+    (chunked, *_) = report.advice
+    assert "chunked cross-entropy" in chunked.text
+    assert chunked.saving_bytes == step.peak_bytes - max(others, loss.peak_bytes - held)
+    assert chunked.text in render_text(report, width=120 * 10)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.cost import H200
-from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.analysis.step import Stage, StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.units import format_bytes
@@ -63,6 +63,7 @@ class Report:
     measured: Comparison | None = None
     rewrites: tuple[Rewrite, ...] = ()  # what each pass of the transform did, for the plan with it
     budget: int | None = None  # the per-rank peak the plan with the transform was asked to fit
+    advice: tuple[Advice, ...] = ()  # what would lower the shown plan's peak
 
     @property
     def shown(self) -> Plan:
@@ -79,7 +80,50 @@ def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepM
     label = "estimate" if baseline is None else ("with transform" if budget is None else
                                                   f"with transform, budget {format_bytes(budget)}")
     plans.append(_plan(label, step, top))
-    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget)
+    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget,
+                  advice=advice(step))
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """What would lower a step's peak, and by how much at most (``saving_bytes``, predicted: the peak would move
+    to the next highest phase if that is higher)."""
+
+    text: str
+    saving_bytes: int
+
+
+ADVICE_SHARE = 0.1  # what a category must hold of the peak for advice about it
+
+
+def advice(step: StepMemory) -> tuple[Advice, ...]:
+    """One or two lines on what holds the peak and what would remove it: the eager loss (a chunked
+    cross-entropy), saved activations (a memory budget), gathered parameters (ZeRO3 with the transform)."""
+    out = []
+    loss = next((p for p in step.phases if p.stage is Stage.LOSS), None)
+    if step.peak_stage is Stage.LOSS and loss is not None:
+        held = sum(a.nbytes for a in loss.extra)
+        others = max((p.peak_bytes for p in step.phases if p is not loss), default=0)
+        saving = step.peak_bytes - max(others, loss.peak_bytes - held)
+        out.append(Advice(
+            f"The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' gradient "
+            f"hold {format_bytes(held)}. A chunked cross-entropy (litgpt's chunked_cross_entropy) holds a chunk of "
+            f"each at a time: the peak would fall by up to {format_bytes(saving)}, to "
+            f"{format_bytes(step.peak_bytes - saving)}.", saving))
+    at_peak: dict[Category, int] = {}
+    for a in step.live_at_peak:
+        at_peak[a.category] = at_peak.get(a.category, 0) + a.nbytes
+    saved = at_peak.get(Category.SAVED, 0)
+    if saved >= ADVICE_SHARE * step.peak_bytes:
+        out.append(Advice(
+            f"Saved activations hold {format_bytes(saved)} at the peak: --memory-budget trades them for recomputation "
+            "in backward (the report shows what it would recompute and the time that adds).", saved))
+    gathered = at_peak.get(Category.GATHERED_PARAMETER, 0)
+    if gathered >= ADVICE_SHARE * step.peak_bytes:
+        out.append(Advice(
+            f"Gathered parameters hold {format_bytes(gathered)} at the peak: with --shard zero3 and --transform they "
+            "are gathered again in backward instead of kept from the forward.", gathered))
+    return tuple(out)
 
 
 def _plan(label: str, step: StepMemory, top: int) -> Plan:
@@ -161,6 +205,10 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
                   "symbol and source line counted once, as in repeated layers):")
     console.print(_top_table(shown.top, width))
     console.print()
+    for item in report.advice:
+        console.print(item.text)
+    if report.advice:
+        console.print()
     step = shown.step
     last = f"Peak per rank: {format_bytes(step.peak_bytes)} in {step.peak_phase}, at {step.peak_symbol}"
     if step.peak_bytes > H200.memory:
@@ -299,6 +347,7 @@ def render_json(report: Report) -> dict:
         "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
         "transform_passes": [{**dataclasses.asdict(r), "outcome": r.outcome.value} for r in report.rewrites],
         "budget_bytes": report.budget,
+        "advice": [{"text": a.text, "saving_bytes": a.saving_bytes} for a in report.advice],
     }
     m = report.measured
     if m is not None:
