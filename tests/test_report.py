@@ -13,10 +13,10 @@ from thunder_fsdp_mem.report import pattern_name
         ([f"t_transformer_h_{i}_attn_qkv_weight" for i in (3, 1, 2)], "t_transformer_h_[1-3]_attn_qkv_weight"),
         ([f"block {i}.norm_{j}.weight" for i in (0, 2, 4, 6, 8) for j in (1, 2)], "block [0,2,4,6,...].norm_[1-2].weight"),
         (["block 7.attn.proj.weight (shard)"], "block 7.attn.proj.weight (shard)"),
-        # a trace's own names carry no layer; names that differ in more than numbers keep the first
+        # a trace's own names carry no layer; names that differ in more than numbers: the first, and how many more
         (["t813", "t802"], "t813"),
         (["AdamW exp_avg of block 0.mlp.fc.weight", "AdamW exp_avg_sq of block 0.mlp.fc.weight"],
-         "AdamW exp_avg of block 0.mlp.fc.weight"),
+         "AdamW exp_avg of block 0.mlp.fc.weight and 1 more"),
     ],
 )
 def test_pattern_name(names, expected):
@@ -72,3 +72,31 @@ def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
     assert "chunked cross-entropy" in chunked.text
     assert chunked.saving_bytes == step.peak_bytes - max(others, loss.peak_bytes - held)
     assert chunked.text in render_text(report, width=120 * 10)
+
+
+def test_rows_are_named_by_module_and_op_with_the_trace_name_beside(report):
+    rows = {t.name: t for t in report.shown.top}
+    made = [t for t in report.shown.top if t.trace_name.startswith("t") and t.name != t.trace_name]
+    assert made, rows.keys()  # rows a trace allocated are named after what made them...
+    assert any("transformer.h.[0-1]." in t.name for t in made), [t.name for t in made]  # ...layers as a range
+    assert "lm_head: linear" in rows  # the logits: the head's linear
+
+
+def test_the_optimizer_state_is_named_alike_in_every_mode():
+    # thunder.jit's estimate (AdamW's anticipated state of the module's parameters) and the FSDP2 composition
+    # (its state of each unit's shards) name each moment after the parameter's qualified name.
+    from thunder_fsdp_mem.analysis.categories import Category
+    from thunder_fsdp_mem.predict.emulate import trace_step
+    from thunder_fsdp_mem.predict.fsdp2 import compose_step
+    from thunder_fsdp_mem.training import models
+
+    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+
+    def state(step):
+        return {a.name for phase in step.phases for a in (*phase.outside, *phase.extra)
+                if a.category is Category.OPTIMIZER_STATE and "exp_avg" in a.name}
+
+    jit = state(trace_step(spec, mode="jit", device_type="cpu"))
+    fsdp2 = state(compose_step(spec, world_size=1, shard="zero2", device_type="cpu"))
+    assert "AdamW exp_avg of transformer.h.0.attn.qkv.weight" in jit
+    assert jit == fsdp2

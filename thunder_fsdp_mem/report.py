@@ -26,7 +26,8 @@ from thunder_fsdp_mem.units import format_bytes
 @dataclass(frozen=True, slots=True)
 class TopAllocation:
     """Allocations alive at the peak that share a pattern: ``count`` of them, ``nbytes`` each; ``name`` is
-    ``pattern_name`` of theirs (the layers' numbers as a range)."""
+    ``pattern_name`` of their labels (what made them, the layers' numbers as a range: ``Allocation.label``);
+    ``trace_name``: the first one's name in its trace, for whoever reads traces."""
 
     name: str
     shape: tuple[int, ...]
@@ -36,6 +37,7 @@ class TopAllocation:
     symbol: str
     source: str | None
     count: int = 1
+    trace_name: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -134,8 +136,8 @@ def _plan(label: str, step: StepMemory, top: int) -> Plan:
     for a in step.live_at_peak:
         key = (a.shape, a.dtype, a.category, a.symbol, a.source, a.nbytes)
         groups.setdefault(key, []).append(a)
-    rows = [TopAllocation(pattern_name([a.name for a in g]), g[0].shape, g[0].dtype, g[0].nbytes, g[0].category,
-                          g[0].symbol, g[0].source, len(g)) for g in groups.values()]
+    rows = [TopAllocation(pattern_name([a.label for a in g]), g[0].shape, g[0].dtype, g[0].nbytes, g[0].category,
+                          g[0].symbol, g[0].source, len(g), g[0].name) for g in groups.values()]
     rows.sort(key=lambda t: -t.total_bytes)
     return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
 
@@ -145,11 +147,14 @@ _PROXY = re.compile(r"[a-z]{1,3}\d+")  # a trace's own names (t813, ft2154): the
 
 def pattern_name(names: list[str]) -> str:
     """One name for a group: where the names differ only in numbers, those numbers as ranges
-    (``block [0-31].mlp.fc.weight (gathered)``); otherwise, and for a trace's own names, the first name."""
+    (``block [0-31].mlp.fc.weight (gathered)``); where they differ in more, the first and how many more
+    (``AdamW exp_avg of lm_head.weight and 3 more``); for a trace's own names, the first."""
     parts = [re.split(r"(\d+)", name) for name in names]
     first = parts[0]
-    if _PROXY.fullmatch(names[0]) or any(len(p) != len(first) or p[0::2] != first[0::2] for p in parts):
+    if _PROXY.fullmatch(names[0]):
         return names[0]
+    if any(len(p) != len(first) or p[0::2] != first[0::2] for p in parts):
+        return f"{names[0]} and {len(names) - 1} more"
     out = []
     for i, piece in enumerate(first):
         values = sorted({int(p[i]) for p in parts}) if i % 2 else []
@@ -224,8 +229,9 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
 
 # The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
 # or not at all, so no figure, shape or source line is ever cut; only the name folds onto more lines.
-_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source")
-_LEFT_OUT_FIRST = ("source", "symbol", "category", "dtype", "shape")
+_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source",
+                "trace name")
+_LEFT_OUT_FIRST = ("trace name", "source", "symbol", "category", "dtype", "shape")
 _NAME_WIDTH = 24  # the least width of the name column, which folds
 _GAP = 3  # between two columns: a space of padding on each side of a space of border
 
@@ -233,7 +239,8 @@ _GAP = 3  # between two columns: a space of padding on each side of a space of b
 def _top_table(top: tuple[TopAllocation, ...], width: int):
     """The largest allocations at the peak as a table of at most ``width`` columns (see ``_LEFT_OUT_FIRST``)."""
     rows = [(t.name, f"x{t.count}", "x".join(str(d) for d in t.shape) or "-", t.dtype, format_bytes(t.nbytes),
-             format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source)) for t in top]
+             format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source),
+             t.trace_name if t.trace_name != t.name else "") for t in top]
     need = {h: max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(_TOP_HEADERS)}
     shown = list(_TOP_HEADERS)
 
@@ -370,8 +377,9 @@ def _plan_json(plan: Plan) -> dict:
         "peak_symbol": step.peak_symbol,
         "by_category": {c.value: v for c, v in plan.by_category},
         "top": [
-            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes, "count": t.count,
-             "total_bytes": t.total_bytes, "category": t.category.value, "symbol": t.symbol, "source": t.source}
+            {"name": t.name, "trace_name": t.trace_name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+             "count": t.count, "total_bytes": t.total_bytes, "category": t.category.value, "symbol": t.symbol,
+             "source": t.source}
             for t in plan.top
         ],
     }

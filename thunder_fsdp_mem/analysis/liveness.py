@@ -30,7 +30,8 @@ from thunder_fsdp_mem.analysis import layout
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.effects import Effect, Kind, classify
 from thunder_fsdp_mem.analysis.symbols import (
-    ALL_REDUCE, REDUCE_SCATTER, WAITS, dtype_name, nbytes, proxy_names, shape, sym_id, tensor_args,
+    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAITS, dtype_name, nbytes, parameter_path, proxy_names, shape, sym_id,
+    tensor_args,
 )
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,10 @@ class Allocation:
 
     ``start``: the index of the symbol that allocated it (0 for the trace's inputs, which the caller passes);
     ``OUTSIDE`` for an allocation held outside the traces. ``end``: the index where it was freed, None when it
-    outlives the trace. ``external``: held by someone other than the trace, which never frees it."""
+    outlives the trace. ``external``: held by someone other than the trace, which never frees it. ``module``:
+    the model's module whose parameters its symbol reads (a gathered parameter's own name); ``after``: where it
+    reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
+    tell."""
 
     name: str
     nbytes: int
@@ -75,6 +79,19 @@ class Allocation:
     start: int = OUTSIDE
     end: int | None = None
     external: bool = False
+    module: str | None = None
+    after: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What a reader can place: the module and its op (``transformer.h.3.mlp.fc: linear``), an op after a
+        module (``to after transformer.h.3.mlp.fc``), a gathered parameter by its name, else the allocation's own
+        name."""
+        if self.module is not None:
+            if self.category is Category.GATHERED_PARAMETER:
+                return f"{self.module} (gathered)"
+            return f"{self.module}: {self.symbol}"
+        return f"{self.symbol} after {self.after}" if self.after is not None else self.name
 
     def live_at(self, index: int) -> bool:
         return self.start <= index and (self.end is None or index < self.end)
@@ -118,21 +135,22 @@ class MemoryTimeline:
 
 
 def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None,
-            device_type: str | None = None) -> MemoryTimeline:
+            device_type: str | None = None, parameter_names: Mapping[str, str] | None = None) -> MemoryTimeline:
     """Live storage bytes over ``trace`` (a Thunder execution trace, forward or backward).
 
     Without ``inputs``, tensors passed directly as arguments are held by the caller (names starting with
     ``t_`` are taken for module parameters, others for inputs), and tensors passed inside lists (a backward's
     ``saved_for_backward`` and ``cotangents``) belong to the trace, which frees them as it clears the lists.
     ``device_type``: the device the trace would run on, for a trace made on the meta device (None: each
-    tensor's own).
+    tensor's own). ``parameter_names``: trace argument name -> the parameter's qualified name, where the module is
+    known, to tell which module made each allocation (``Allocation.module``; ThunderFX's names tell it alone).
     """
     if not isinstance(trace, TraceCtx):
         raise TypeError(
             f"analyze() expects a Thunder execution trace (thunder.core.trace.TraceCtx), such as "
             f"thunder.last_traces(fn)[-1]; got {type(trace).__name__}"
         )
-    return _Walk(trace, dict(inputs or {}), device_type).run()
+    return _Walk(trace, dict(inputs or {}), device_type, parameter_names).run()
 
 
 @dataclass(slots=True)
@@ -149,20 +167,26 @@ class _Record:
     start: int
     end: int | None = None
     external: bool = False
+    module: str | None = None
+    after: str | None = None
 
     def frozen(self) -> Allocation:
         return Allocation(name=self.name, nbytes=self.nbytes, category=self.category, shape=self.shape,
                           dtype=self.dtype, symbol=self.symbol, source=self.source, start=self.start, end=self.end,
-                          external=self.external)
+                          external=self.external, module=self.module, after=self.after)
 
 
 class _Walk:
     """One pass over a trace, holding the reference counts of names, collections and storages."""
 
-    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec], device_type: str | None = None):
+    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec], device_type: str | None = None,
+                 parameter_names: Mapping[str, str] | None = None):
         self.trace = trace
         self.inputs = inputs
         self.device_type = device_type
+        self.parameter_names = parameter_names
+        self.module_of: dict[str, str] = {}  # tensor -> the module that made it
+        self.parameters: dict[str, str] = {}  # parameter tensor -> its qualified name
         self.obj_of: dict[str, int] = {}
         self.obj_refs: list[int] = []
         self.obj_alloc: list[int | None] = []
@@ -230,6 +254,9 @@ class _Walk:
 
     # inputs ------------------------------------------------------------------------------------------------
     def _input_tensor(self, t, *, in_collection: bool, root: str) -> int:
+        path = parameter_path(t.name, self.parameter_names)
+        if path is not None:
+            self.parameters[t.name] = path
         spec = self.inputs.get(t.name) or _default_spec(t.name, in_collection, root)
         alloc = self.alloc_by_key.get(spec.storage)
         if alloc is None:
@@ -360,15 +387,25 @@ class _Walk:
                 self._incref(held)
                 self.held[bsym.flat_proxy_outs[0].name] = held
         source = _source(bsym)
+        module, own = self._module(bsym, sid)
+        gathers = sid == ALL_GATHER or (sid in WAITS and any(a.name in self.parameters for a in bsym.flat_proxy_args))
         for out in effect.outputs:
             name = out.proxy.name
             if name in self.obj_of:
                 continue
+            if module is not None:
+                self.module_of[name] = module
+                if gathers:  # the gathered parameter (its future, then what its wait returns) is a parameter too
+                    self.parameters[name] = module
             base_obj = self.obj_of.get(out.base) if out.base is not None else None
             if base_obj is not None and self.obj_alloc[base_obj] is not None:
                 alloc = self.obj_alloc[base_obj]
             else:
                 alloc = self._allocate(out.proxy, out.category, bsym.sym.name, source, size=out.nbytes)
+                if own:
+                    self.allocs[alloc].module = module
+                else:
+                    self.allocs[alloc].after = module
             self.strides[name] = out.strides
             obj = self._new_obj(name, alloc, None)
             self._incref(obj)
@@ -377,6 +414,19 @@ class _Walk:
                 held = self.held.pop(a.name, None)
                 if held is not None:
                     self._decref(held)
+
+    def _module(self, bsym, sid: str) -> tuple[str | None, bool]:
+        """The module ``bsym`` belongs to, and whether it is its own: the module of the parameters it reads (an
+        all-gather's output is the parameter itself), else, not its own, the module of the first tensor it reads
+        that has one."""
+        if not self.parameters and not self.module_of:
+            return None, False
+        args = tensor_args(bsym)
+        for a in args:
+            path = self.parameters.get(a.name)
+            if path is not None:
+                return (path if sid == ALL_GATHER or sid in WAITS else path.rpartition(".")[0] or path), True
+        return next((self.module_of[a.name] for a in args if a.name in self.module_of), None), False
 
     def _return(self, bsym) -> None:
         for name in proxy_names(bsym.args):

@@ -38,7 +38,7 @@ import thunder
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation, InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
+from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, parameter_path, proxy_names
 
 
 class Stage(str, Enum):
@@ -277,8 +277,10 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
     if device_type is not None and device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be None or one of {', '.join(DEVICE_TYPES)}; got {device_type!r}")
     forward_trace, backward_trace = _last_traces(fn)
+    qualnames = dict(_qualnames(fn))
     return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
-                    _optimizer_state(optimizer), loss, device_type=device_type)
+                    _optimizer_state(optimizer, qualnames), loss, device_type=device_type,
+                    parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()})
 
 
 def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None, loss: str | None = None,
@@ -308,8 +310,9 @@ def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
         if grad is None or not hasattr(arg, "dtype") or not (name.startswith("t_") or "_parameters_" in name):
             continue
         for moment in ("exp_avg", "exp_avg_sq"):
-            state.append(held_allocation(f"AdamW {moment} of {name}", nbytes(arg), Category.OPTIMIZER_STATE,
-                                         shape=arg.shape, dtype=dtype_name(arg), symbol="anticipated"))
+            state.append(held_allocation(optimizer_state_name("AdamW", moment, parameter_path(name) or name),
+                                         nbytes(arg), Category.OPTIMIZER_STATE, shape=arg.shape,
+                                         dtype=dtype_name(arg), symbol="anticipated"))
     return tuple(state)
 
 
@@ -323,13 +326,14 @@ def _flat_args(forward_trace) -> list:
 
 
 def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,
-             forward: MemoryTimeline | None = None, device_type: str | None = None) -> StepMemory:
+             forward: MemoryTimeline | None = None, device_type: str | None = None,
+             parameter_names: dict[str, str] | None = None) -> StepMemory:
     forward_args = _arg_names(forward_trace)
     if forward is None:
         forward = analyze(forward_trace, inputs={
             name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
             for name, held in persistent.items() if name in forward_args
-        }, device_type=device_type)
+        }, device_type=device_type, parameter_names=parameter_names)
     holdings = Holdings()
     model, caller = Holder(Role.MODEL), Holder(Role.CALLER)
     for held in _unique(persistent.values()):
@@ -361,7 +365,8 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
     backward = None
     gradient_bytes = 0
     if backward_trace is not None:
-        backward = analyze(backward_trace, inputs=_saved_specs(forward), device_type=device_type)
+        backward = analyze(backward_trace, inputs=_saved_specs(forward), device_type=device_type,
+                           parameter_names=parameter_names)
         received = {forward.outputs[n] for n in _arg_names(backward_trace) if n in forward.outputs}
         inside = [Key(_Held.RETURNED, item=i) for i in received]
         inside += [persistent_key(forward.allocations[i].name) for i in received
@@ -395,22 +400,33 @@ def held_allocation(name: str, nbytes: int, category: Category, *, shape=(), dty
                       external=True)
 
 
-def _optimizer_state(optimizer) -> list[Allocation]:
+def _qualnames(fn) -> list[tuple[int, str]]:
+    """(id of each parameter, its qualified name) of a module (nothing for a function)."""
+    return [(id(p), q) for q, p in fn.named_parameters()] if isinstance(fn, torch.nn.Module) else []
+
+
+def optimizer_state_name(optimizer: torch.optim.Optimizer | str, key: str, parameter: str) -> str:
+    """How every mode names a piece of optimizer state: ``AdamW exp_avg of transformer.h.3.mlp.fc.weight``."""
+    kind = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+    return f"{kind} {key} of {parameter}"
+
+
+def _optimizer_state(optimizer, qualnames: dict[int, str]) -> list[Allocation]:
     if optimizer is None:
         return []
     if not optimizer.state:
-        return _anticipated_adam_state(optimizer)
+        return _anticipated_adam_state(optimizer, qualnames)
     records: dict[object, Allocation] = {}
-    for i, per_param in enumerate(optimizer.state.values()):
+    for i, (param, per_param) in enumerate(optimizer.state.items()):
         for key, t in per_param.items():
             if isinstance(t, torch.Tensor):
                 records[_storage_key(t)] = held_allocation(
-                    f"optimizer state {key} #{i}", t.untyped_storage().nbytes(), Category.OPTIMIZER_STATE,
-                    shape=t.shape, dtype=dtype_name(t))
+                    optimizer_state_name(optimizer, key, qualnames.get(id(param), f"parameter #{i}")),
+                    t.untyped_storage().nbytes(), Category.OPTIMIZER_STATE, shape=t.shape, dtype=dtype_name(t))
     return list(records.values())
 
 
-def _anticipated_adam_state(optimizer) -> list[Allocation]:
+def _anticipated_adam_state(optimizer, qualnames: dict[int, str]) -> list[Allocation]:
     """The state Adam and AdamW create in their first step: ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
     with amsgrad) shaped like each parameter that requires a gradient, and a float32 ``step``. Other optimizers
     without state yet: none, with a warning (their state is counted once it exists)."""
@@ -422,12 +438,13 @@ def _anticipated_adam_state(optimizer) -> list[Allocation]:
     params = [(group, p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     for i, (group, param) in enumerate(params):
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
+        name = qualnames.get(id(param), f"parameter #{i}")
         for key in keys:
-            records.append(held_allocation(f"optimizer state {key} #{i}", param.numel() * param.element_size(),
-                                           Category.OPTIMIZER_STATE, shape=param.shape, dtype=dtype_name(param),
-                                           symbol="anticipated"))
-        records.append(held_allocation(f"optimizer state step #{i}", 4, Category.OPTIMIZER_STATE, dtype="f32",
-                                       symbol="anticipated"))
+            records.append(held_allocation(optimizer_state_name(optimizer, key, name),
+                                           param.numel() * param.element_size(), Category.OPTIMIZER_STATE,
+                                           shape=param.shape, dtype=dtype_name(param), symbol="anticipated"))
+        records.append(held_allocation(optimizer_state_name(optimizer, "step", name), 4, Category.OPTIMIZER_STATE,
+                                       dtype="f32", symbol="anticipated"))
     return records
 
 

@@ -15,6 +15,7 @@ Nothing here depends on the rest of the package.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -136,6 +137,22 @@ def without_dels(bsyms: Iterable, *, clears: bool = True) -> list:
     """The symbols of a trace without its ``del``s (and collection clears, with ``clears``): what a rewrite
     reorders or edits before the ``del``s are placed again."""
     return [b for b in bsyms if not is_del(b, clears=clears)]
+
+
+_THUNDERFX_PARAMETER = re.compile(r"^l_self_(?:modules_)?(.+?)_parameters_(\w+?)_$")
+
+
+def parameter_path(name: str, names: Mapping[str, str] | None = None) -> str | None:
+    """The qualified name of the parameter a trace argument is (``transformer.h.3.mlp.fc.weight``), or None:
+    from ``names`` (trace name -> qualified name, where the module is known: ``thunder.jit`` names a parameter
+    ``t_`` + its qualified name with ``_`` for ``.``, which cannot be read back), else from the name ThunderFX
+    gives a graph's parameter (``l_self_modules_attn_modules_qkv_parameters_weight_``: ``attn.qkv.weight``)."""
+    if names is not None and name in names:
+        return names[name]
+    found = _THUNDERFX_PARAMETER.match(name)
+    if found is None:
+        return None
+    return ".".join([*found.group(1).split("_modules_"), found.group(2)])
 
 
 def proxy_names(obj) -> list[str]:

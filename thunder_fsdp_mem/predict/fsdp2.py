@@ -54,7 +54,8 @@ from litgpt.model import Block
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
 from thunder_fsdp_mem.analysis.step import (
-    Holder, Holdings, Key, Role, Stage, StepMemory, held_allocation, loss_allocations, step_memory,
+    Holder, Holdings, Key, Role, Stage, StepMemory, held_allocation, loss_allocations, optimizer_state_name,
+    step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
@@ -138,9 +139,11 @@ class _Shard:
 
 @dataclass(frozen=True, slots=True)
 class _Unit:
-    """One ``fully_shard`` unit: its parameters' shards, by name, and the sizes FSDP2 gathers and scatters."""
+    """One ``fully_shard`` unit: its name in the step's phases, its module's qualified name in the model
+    (``path``), its parameters' shards by name, and the sizes FSDP2 gathers and scatters."""
 
     name: str
+    path: str
     module: torch.nn.Module
     shards: dict[str, _Shard] = field(hash=False)
     world_size: int
@@ -158,13 +161,13 @@ class _Unit:
         return isinstance(self.module, Block)
 
 
-def _unit(name: str, module: torch.nn.Module, world_size: int) -> _Unit:
+def _unit(name: str, path: str, module: torch.nn.Module, world_size: int) -> _Unit:
     shards = {}
     for qualname, p in module.named_parameters():
         shape = tuple(p.shape) or (1,)
         rows = math.ceil(shape[0] / world_size)
         shards[qualname] = _Shard((rows, *shape[1:]), dtype_name(p), rows * math.prod(shape[1:]) * p.element_size())
-    return _Unit(name, module, shards, world_size)
+    return _Unit(name, path, module, shards, world_size)
 
 
 class _Held(Enum):
@@ -203,9 +206,10 @@ class _Composer:
     def __init__(self, gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets):
         self.gpt, self.zero3, self.blocks = gpt, zero3, blocks
         t = gpt.transformer
-        self.units = [_unit("wte", t.wte, world_size),
-                      *[_unit(f"block {i}", b, world_size) for i, b in enumerate(t.h)],
-                      _unit("ln_f", t.ln_f, world_size), _unit("lm_head", gpt.lm_head, world_size)]
+        self.units = [_unit("wte", "transformer.wte", t.wte, world_size),
+                      *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
+                      _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
+                      _unit("lm_head", "lm_head", gpt.lm_head, world_size)]
         self.idx, self.targets = idx, targets
         self.ledger = Holdings()
         self.prefetched: set[str] = set()
@@ -249,11 +253,11 @@ class _Composer:
         for unit in self.units:
             for pname, shard in unit.shards.items():
                 ledger.hold(Key(_Held.SHARD, unit.name, pname),
-                            _record(f"{unit.name}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape,
+                            _record(f"{unit.path}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape,
                                     shard.dtype), _MODEL)
                 for moment in ("exp_avg", "exp_avg_sq"):
                     ledger.hold(Key(_Held.ADAM, unit.name, (pname, moment)),
-                                _record(f"AdamW {moment} of {unit.name}.{pname}", shard.nbytes,
+                                _record(optimizer_state_name("AdamW", moment, f"{unit.path}.{pname}"), shard.nbytes,
                                         Category.OPTIMIZER_STATE, shard.shape, shard.dtype, "anticipated"),
                                 Holder(Role.OPTIMIZER))
         for name, buf in self.gpt.named_buffers():
@@ -276,7 +280,7 @@ class _Composer:
         self.prefetched.discard(unit.name)
         for pname, shard in unit.shards.items():
             ledger.hold(Key(_Held.GATHERED, unit.name, pname),
-                        _record(f"{unit.name}.{pname} (gathered)", shard.nbytes * unit.world_size,
+                        _record(f"{unit.path}.{pname} (gathered)", shard.nbytes * unit.world_size,
                                 Category.GATHERED_PARAMETER, (shard.shape[0] * unit.world_size, *shard.shape[1:]),
                                 shard.dtype, "FSDP2 all-gather"), _FSDP2)
         stage = Stage.FORWARD if forward else Stage.BACKWARD
@@ -355,14 +359,14 @@ class _Composer:
         output = outputs[blocks.output]
         out_key = Key(_Held.ACTIVATION, unit.name, output)
         ledger.hold(out_key, _renamed(blocks.forward.allocations[output], f"output of {unit.name}",
-                                      Category.TEMPORARY), _CALLER)
+                                      Category.TEMPORARY, unit.path), _CALLER)
         for name in blocks.saved:
             i = outputs[name]
             a = blocks.forward.allocations[i]
             if a.name == blocks.activation:
                 ledger.hold(x_key, ledger[x_key], holder)
             elif not a.external:  # parameters and rope tables are held by FSDP2 and the model
-                ledger.hold(Key(_Held.SAVED, unit.name, i), _renamed(a, a.name, a.category), holder)
+                ledger.hold(Key(_Held.SAVED, unit.name, i), _renamed(a, a.name, a.category, unit.path), holder)
         self._forward_done(unit, x_key)
         return out_key
 
@@ -423,6 +427,11 @@ class _Composer:
                              _AUTOGRAD)
 
 
-def _renamed(a: Allocation, name: str, category: Category) -> Allocation:
-    """A trace's allocation as the ledger holds it once its trace is done: outside the traces, never freed by one."""
-    return dataclasses.replace(a, name=name, category=category, start=OUTSIDE, end=None, external=True)
+def _renamed(a: Allocation, name: str, category: Category, path: str | None = None) -> Allocation:
+    """A trace's allocation as the ledger holds it once its trace is done: outside the traces, never freed by one;
+    its module placed in the model (``path``: the unit's, for the block graph's module names)."""
+    def placed(module: str | None) -> str | None:
+        return f"{path}.{module}" if path is not None and module is not None else module
+
+    return dataclasses.replace(a, name=name, category=category, start=OUTSIDE, end=None, external=True,
+                               module=placed(a.module), after=placed(a.after))
