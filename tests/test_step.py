@@ -120,3 +120,41 @@ def test_bad_arguments_name_themselves():
         estimate_step(jitted, device_type="tpu")
     with pytest.raises(ValueError, match="loss must be None or one of cross_entropy"):
         estimate_step(jitted, loss="mse")
+
+
+def test_adam_step_temporaries_by_hand():
+    from thunder_fsdp_mem.analysis.step import adam_step_bytes
+
+    sizes = [(100, "bf16"), (300, "bf16"), (200, "bf16")]
+    # A loop over parameters: the square root and the quotient of one (2 x its size) beside the previous denom.
+    assert adam_step_bytes(sizes, "single tensor") == max(0 + 2 * 100, 100 + 2 * 300, 300 + 2 * 200)
+    # foreach: one square root per parameter of a dtype at once; the next dtype's beside it.
+    assert adam_step_bytes(sizes, "foreach") == 600
+    assert adam_step_bytes([(100, "bf16"), (50, "f32")], "foreach") == 150
+    assert adam_step_bytes(sizes, "fused") == 0
+    with pytest.raises(ValueError, match="kind must be one of foreach, single tensor, fused"):
+        adam_step_bytes(sizes, "lbfgs")
+
+
+def test_the_optimizer_step_matches_memtracker_on_cpu():
+    # A real AdamW step (after a first one made its state), measured by MemTracker: the parameters, their
+    # gradients, the state, the loss the caller holds and the step's own temporaries (torch's single-tensor loop on
+    # CPU) are the estimate's optimizer phase.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    jitted, idx, targets = _jitted_step("neox", torch.float32)
+    optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
+    jitted(idx, targets).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = jitted(idx, targets)
+    loss.backward()
+    state = [t for per in optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
+    grads = [p.grad for p in jitted.parameters()]
+    mt = MemTracker()
+    mt.track_external(jitted, idx, targets, loss, *state, *grads)
+    with mt:
+        optimizer.step()
+    measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    estimate = estimate_step(jitted, optimizer=optimizer)
+    assert estimate.optimizer_peak_bytes == measured

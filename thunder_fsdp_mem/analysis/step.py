@@ -19,8 +19,10 @@ Two things the caller does are modelled on request: ``loss="cross_entropy"`` is 
 ``cross_entropy(output.reshape(-1, V), targets)`` on the forward's output between forward and backward (what
 Thunder's and litgpt's benchmarks do): its ``log_softmax`` is kept for its backward, which allocates the
 gradient of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) while both are alive.
-``optimizer=`` adds the optimizer's state, alive through the whole step; before its first step Adam and AdamW
-have none yet, and the state they will create is counted instead. The optimizer step itself is not modelled.
+``optimizer=`` adds the optimizer's state, alive through the whole step (before its first step Adam and AdamW
+have none yet, and the state they will create is counted instead), and, for Adam and AdamW, the optimizer's step
+after the backward (``adam_step_bytes``): the parameters, their gradients, the state, the output the caller still
+holds (``modes.Trainer.step`` holds the logits until it returns), and the step's own temporaries.
 
 The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them on CPU and
 ``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding).
@@ -47,6 +49,7 @@ class Stage(str, Enum):
     FORWARD = "forward"
     LOSS = "loss"
     BACKWARD = "backward"
+    OPTIMIZER = "optimizer step"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +109,9 @@ class StepMemory:
     """Memory of one forward and backward, per rank. All sizes in bytes.
 
     ``persistent_bytes``: parameters, buffers and inputs alive before the step.
-    ``forward_peak_bytes`` / ``backward_peak_bytes`` / ``loss_peak_bytes``: the peak of each stage, everything
-    alive counted (the loss's with ``loss=``).
+    ``forward_peak_bytes`` / ``backward_peak_bytes`` / ``loss_peak_bytes`` / ``optimizer_peak_bytes``: the peak of
+    each stage, everything alive counted (the loss's with ``loss=``, the optimizer step's with an Adam ``optimizer``).
+    ``training_peak_bytes``: the peak of the forward and the backward, the loss included: what the traces hold.
     ``saved_bytes``: what the forward keeps for backward beyond its own inputs (parameters and inputs that are
     saved cost nothing extra).
     ``gradient_bytes``: the gradients alive after backward; ``optimizer_state_bytes``: with ``optimizer=``.
@@ -134,6 +138,11 @@ class StepMemory:
     loss_peak_bytes: int = 0
     optimizer_state_bytes: int = 0
     phases: tuple[Phase, ...] = ()
+    optimizer_peak_bytes: int = 0
+
+    @property
+    def training_peak_bytes(self) -> int:
+        return max((p.peak_bytes for p in self.phases if p.stage is not Stage.OPTIMIZER), default=0)
 
     def timeline(self) -> Timeline:
         points: list[int] = []
@@ -171,7 +180,61 @@ def step_memory(phases: Iterable[Phase], *, forward: MemoryTimeline, backward: M
         loss_peak_bytes=stage_peak(Stage.LOSS),
         optimizer_state_bytes=optimizer_state_bytes,
         phases=phases,
+        optimizer_peak_bytes=stage_peak(Stage.OPTIMIZER),
     )
+
+
+# --- the optimizer's step ------------------------------------------------------------------------------------
+
+ADAM_KINDS = ("foreach", "single tensor", "fused")
+
+
+def adam_kind(optimizer: torch.optim.Optimizer, device_type: str) -> str:
+    """How torch runs ``optimizer.step()`` of Adam or AdamW on ``device_type``: ``fused`` when asked; else
+    ``foreach`` (one kernel over every tensor of a device and dtype) where torch defaults to it, on CUDA, unless
+    ``foreach=False``; else ``single tensor`` (a loop over the parameters; torch's default on CPU)."""
+    if optimizer.defaults.get("fused"):
+        return "fused"
+    foreach = optimizer.defaults.get("foreach")
+    return "foreach" if foreach or (foreach is None and device_type == "cuda") else "single tensor"
+
+
+def adam_step_bytes(sizes: list[tuple[int, str]], kind: str) -> int:
+    """The most bytes Adam's and AdamW's step (torch 2.11, ``torch/optim/adam.py``) holds beyond the parameters,
+    gradients and state, for parameters of ``sizes`` (bytes, dtype) in the optimizer's order:
+
+    - ``single tensor``: ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: the square root and
+      the quotient of one parameter at once, while the previous parameter's ``denom`` is still bound;
+    - ``foreach``: ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`` for every parameter of a dtype at once,
+      while the previous dtype's list is still bound;
+    - ``fused``: one kernel in place, nothing.
+    """
+    if kind not in ADAM_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(ADAM_KINDS)}; got {kind!r}")
+    if kind == "fused" or not sizes:
+        return 0
+    if kind == "single tensor":
+        previous, most = 0, 0
+        for size, _ in sizes:
+            most = max(most, previous + 2 * size)
+            previous = size
+        return most
+    groups: dict[str, int] = {}
+    for size, dtype in sizes:
+        groups[dtype] = groups.get(dtype, 0) + size
+    totals = list(groups.values())
+    return max(a + b for a, b in zip([0, *totals], totals))
+
+
+def adam_step_allocation(optimizer: str, sizes: list[tuple[int, str]], kind: str) -> Allocation:
+    """The temporaries of ``optimizer``'s step over parameters of ``sizes`` at its peak (``adam_step_bytes``), as
+    one allocation a report names, in the dtype of most of the parameters."""
+    by_dtype: dict[str, int] = {}
+    for size, dtype in sizes:
+        by_dtype[dtype] = by_dtype.get(dtype, 0) + size
+    dtype = max(by_dtype, key=by_dtype.__getitem__, default="")
+    return Allocation(name=f"{optimizer} step temporaries ({kind})", nbytes=adam_step_bytes(sizes, kind),
+                      category=Category.TEMPORARY, dtype=dtype, symbol=f"{optimizer}.step ({kind})")
 
 
 # --- what is alive outside the traces --------------------------------------------------------------------------
@@ -255,6 +318,7 @@ class _Held(Enum):
     PERSISTENT = "persistent"
     OPTIMIZER_STATE = "optimizer state"
     RETURNED = "returned by the forward"
+    GRADIENT = "gradient"
 
 
 LOSSES = ("cross_entropy",)
@@ -280,7 +344,19 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
     qualnames = dict(_qualnames(fn))
     return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
                     _optimizer_state(optimizer, qualnames), loss, device_type=device_type,
-                    parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()})
+                    parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
+                    optimizer_step=_optimizer_step(optimizer, device_type))
+
+
+def _optimizer_step(optimizer, device_type: str | None) -> Allocation | None:
+    """What Adam's or AdamW's step adds at its peak (``adam_step_bytes``); None for no optimizer or another."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    on = device_type or (params[0].device.type if params else "cpu")
+    kind = adam_kind(optimizer, on)
+    sizes = [(p.numel() * p.element_size(), dtype_name(p)) for p in params]
+    return adam_step_allocation(type(optimizer).__name__, sizes, kind)
 
 
 def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None, loss: str | None = None,
@@ -327,7 +403,7 @@ def _flat_args(forward_trace) -> list:
 
 def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,
              forward: MemoryTimeline | None = None, device_type: str | None = None,
-             parameter_names: dict[str, str] | None = None) -> StepMemory:
+             parameter_names: dict[str, str] | None = None, optimizer_step: Allocation | None = None) -> StepMemory:
     forward_args = _arg_names(forward_trace)
     if forward is None:
         forward = analyze(forward_trace, inputs={
@@ -372,9 +448,16 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
         inside += [persistent_key(forward.allocations[i].name) for i in received
                    if forward.allocations[i].name in persistent]
         holdings.phase(Stage.BACKWARD, "backward", backward, inside=inside)
-        gradient_bytes = sum(
-            a.nbytes for a in backward.allocations if a.category is Category.GRADIENT and a.end is None
-        )
+        gradients = [(i, a) for i, a in enumerate(backward.allocations)
+                     if a.category is Category.GRADIENT and a.end is None]
+        gradient_bytes = sum(a.nbytes for _, a in gradients)
+        if optimizer_step is not None:  # the backward freed what it was saved; the gradients stay for the step
+            for key in holdings.held_by(Role.SAVED):
+                holdings.release(key, Holder(Role.SAVED))
+            for i, a in gradients:
+                holdings.hold(Key(_Held.GRADIENT, item=i), a, model)
+            holdings.phase(Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(optimizer_step,),
+                           symbol=optimizer_step.symbol)
     return step_memory(holdings.phases, forward=forward, backward=backward,
                        persistent_bytes=sum(held.record.nbytes for held in _unique(persistent.values())),
                        saved_bytes=saved_bytes, gradient_bytes=gradient_bytes,

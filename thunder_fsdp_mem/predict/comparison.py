@@ -23,14 +23,17 @@ class Comparison:
 
     ``points``: one per paired sample, (position on the prediction's timeline, measured, predicted): the peaks
     over the stretch since the previous sample.
-    ``measured_at_predicted_peak``: the measured peak over the
-    stretch that holds the predicted peak. ``stages``: (stage, predicted, measured) peaks over the stretches of
-    the forward's samples, of the backward's (from the end of the forward: the loss included), and of both.
-    ``step_peak_bytes``: the measured peak with the optimizer step, which the prediction does not model.
+    ``predicted_peak_bytes`` / ``measured_peak_bytes``: of the forward and the backward (the loss included), what
+    the probes measure; ``measured_at_predicted_peak``: the measured peak over the stretch that holds the
+    predicted one. ``predicted_step_peak_bytes`` / ``step_peak_bytes``: of the whole step, the optimizer step
+    included (what ``max_memory_allocated`` over a step says). ``stages``: (stage, predicted, measured) peaks over
+    the stretches of the forward's samples, of the backward's (from the end of the forward: the loss included), of
+    both, and of the whole step.
     ``paired``: runs paired with a phase; ``unpaired``: runs of traces with a backward, and phases with a trace,
     left without a partner ((0, 0) when the measured step ran the traces the prediction has)."""
 
     predicted_peak_bytes: int
+    predicted_step_peak_bytes: int
     measured_peak_bytes: int
     rank: int
     ranks_peak_bytes: tuple[int, ...]
@@ -46,8 +49,13 @@ class Comparison:
 
     @property
     def error(self) -> float:
-        """(predicted - measured) / measured at the step's peak."""
+        """(predicted - measured) / measured at the peak of the forward and backward."""
         return (self.predicted_peak_bytes - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    @property
+    def step_error(self) -> float:
+        """(predicted - measured) / measured at the whole step's peak, the optimizer step included."""
+        return (self.predicted_step_peak_bytes - self.step_peak_bytes) / self.step_peak_bytes
 
 
 def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
@@ -81,7 +89,8 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
             kinds.append(run.kind)
             where.append(f"{step.phases[phase_index].name}, symbol {s.index} ({run.symbols[s.index]})")
             pending = 0
-    peak_pos = max(range(len(predicted)), key=predicted.__getitem__) if predicted else 0
+    training = next((starts[i] for i, p in enumerate(step.phases) if p.stage is Stage.OPTIMIZER), len(predicted))
+    peak_pos = max(range(training), key=predicted.__getitem__) if training else 0
     at_peak = next((b for pos, b, _ in points if pos >= peak_pos), measured.after_probes_bytes or None)
     top = max(range(len(points)), key=lambda i: points[i][1], default=None)
     if top is None or measured.after_probes_bytes > points[top][1]:
@@ -94,11 +103,13 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
         return max((pt[2] for pt in chosen), default=0), max((pt[1] for pt in chosen), default=0)
 
     return Comparison(
-        predicted_peak_bytes=step.peak_bytes, measured_peak_bytes=measured.peak_bytes, rank=measured.rank,
+        predicted_peak_bytes=step.training_peak_bytes, predicted_step_peak_bytes=step.peak_bytes,
+        measured_peak_bytes=measured.peak_bytes, rank=measured.rank,
         ranks_peak_bytes=tuple(m.peak_bytes for m in sorted(measurements, key=lambda m: m.rank)),
         device_type=measured.device_type, trainer=measured.trainer, measured_at_predicted_peak=at_peak,
         measured_peak_where=where_peak, step_peak_bytes=measured.step_peak_bytes,
         stages=(("forward", *stage(Stage.FORWARD)), ("backward (the loss included)", *stage(Stage.BACKWARD)),
-                ("forward and backward", step.peak_bytes, measured.peak_bytes)),
+                ("forward and backward", step.training_peak_bytes, measured.peak_bytes),
+                ("the whole step, the optimizer step included", step.peak_bytes, measured.step_peak_bytes)),
         points=tuple(points), paired=paired, unpaired=(unpaired_runs, len(traced) - paired),
     )

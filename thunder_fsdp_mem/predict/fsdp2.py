@@ -54,8 +54,8 @@ from litgpt.model import Block
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
 from thunder_fsdp_mem.analysis.step import (
-    Holder, Holdings, Key, Role, Stage, StepMemory, held_allocation, loss_allocations, optimizer_state_name,
-    step_memory,
+    Holder, Holdings, Key, Role, Stage, StepMemory, adam_step_allocation, held_allocation, loss_allocations,
+    optimizer_state_name, step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
@@ -89,7 +89,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
         gpt = gpt.to(dtype)
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
-        return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets).run()
+        return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type).run()
 
 
 def fit_budget(spec: models.ModelSpec, budget: int, *, world_size: int, shard: str, config: MemoryConfig,
@@ -203,8 +203,8 @@ def _tensor_record(name: str, t: torch.Tensor, category: Category, symbol: str) 
 class _Composer:
     """Walks one step in the order it runs, keeping the ledger of what FSDP2, the model and autograd hold."""
 
-    def __init__(self, gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets):
-        self.gpt, self.zero3, self.blocks = gpt, zero3, blocks
+    def __init__(self, gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets, device_type: str):
+        self.gpt, self.zero3, self.blocks, self.device_type = gpt, zero3, blocks, device_type
         t = gpt.transformer
         self.units = [_unit("wte", "transformer.wte", t.wte, world_size),
                       *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
@@ -242,11 +242,21 @@ class _Composer:
             self._post_backward(unit)
         if self.scattering is not None:
             self.ledger.release(Key(_Held.REDUCE_SCATTER, self.scattering), _FSDP2)
+        self._optimizer_step()
         ledger = self.ledger
         return step_memory(ledger.phases, forward=self.blocks.forward, backward=self.blocks.backward,
                            persistent_bytes=ledger.bytes(_Held.SHARD, _Held.BUFFER, _Held.INPUT),
                            saved_bytes=saved_bytes, gradient_bytes=ledger.bytes(_Held.GRADIENT),
                            optimizer_state_bytes=ledger.bytes(_Held.ADAM))
+
+    def _optimizer_step(self) -> None:
+        """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
+        (``step.adam_step_bytes``); the caller still holds the logits."""
+        kind = "foreach" if self.device_type == "cuda" else "single tensor"
+        shards = {f"{unit.path}.{name}": shard for unit in self.units for name, shard in unit.shards.items()}
+        sizes = [(shards[q].nbytes, shards[q].dtype) for q, _ in self.gpt.named_parameters() if q in shards]
+        temporaries = adam_step_allocation("AdamW", sizes, kind)
+        self.ledger.phase(Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(temporaries,), symbol=temporaries.symbol)
 
     def _persistent(self) -> None:
         ledger = self.ledger
