@@ -20,3 +20,21 @@ def _no_dying_modules_in_dynamos_tracker():
     torch._dynamo.reset()
     gc.collect()
     yield
+
+
+PREDICTED = {  # (mode, options): one step of each FSDP path, traced on the meta device
+    "jit": dict(mode="jit", device_type="cpu"),
+    "thunder-fsdp-zero3-cuda": dict(mode="thunder-fsdp", shard="zero3", world_size=2, device_type="cuda"),
+    "fsdp2-zero2": dict(mode="fsdp2", shard="zero2", world_size=2, device_type="cpu"),
+}
+
+
+@pytest.fixture(scope="session", params=list(PREDICTED))
+def predicted_step(request):
+    """(options, StepMemory) of pythia-14m, 1 layer, 32 tokens, in each of ``PREDICTED``'s set-ups (on CUDA a
+    reduce-scatter's input lives until its wait, which frees it while it runs)."""
+    from thunder_fsdp_mem.predict.emulate import trace_step
+    from thunder_fsdp_mem.training import models
+
+    options = PREDICTED[request.param]
+    return options, trace_step(models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32), **options)

@@ -2,7 +2,9 @@
 with --transform, the timeline plot, and repeated layers counted once. (Its thunder-fsdp prediction against
 measured 2-rank runs: tests/test_compare.py.)"""
 
+import itertools
 import json
+import pickle
 import re
 
 import pytest
@@ -47,6 +49,8 @@ def test_unwritable_json_path_exits_2(tmp_path, capsys):
     assert "cannot write --json" in capsys.readouterr().err
     assert main(["report", *SMALL, "--plot", str(tmp_path / "missing" / "r.png")]) == 2
     assert "cannot write --plot" in capsys.readouterr().err
+    assert main(["report", *SMALL, "--snapshot", str(tmp_path / "missing" / "s.pickle")]) == 2
+    assert "cannot write --snapshot" in capsys.readouterr().err
     # A directory with a plot's name: refused before any tracing, one line.
     (tmp_path / "d.png").mkdir()
     assert main(["report", *SMALL, "--plot", str(tmp_path / "d.png")]) == 2
@@ -104,8 +108,9 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
 
 
 def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
-    out, plot = tmp_path / "r.json", tmp_path / "r.svg"
-    assert main(["report", *SMALL, "--n-layers", "2", "--transform", "--json", str(out), "--plot", str(plot)]) == 0
+    out, plot, snapshot = tmp_path / "r.json", tmp_path / "r.svg", tmp_path / "step.pickle"
+    assert main(["report", *SMALL, "--n-layers", "2", "--transform", "--json", str(out), "--plot", str(plot),
+                 "--snapshot", str(snapshot)]) == 0
     text = capsys.readouterr().out
     assert "without transform" in text and "with transform" in text
     report = json.loads(out.read_text())
@@ -124,6 +129,13 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
                                                                                           "rematerialization"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
+    # Both plans as memory snapshots, each reaching its plan's peak when its events are replayed.
+    for path, plan in ((snapshot, with_it), (tmp_path / "step-without-transform.pickle", without)):
+        events = pickle.loads(path.read_bytes())["device_traces"][0]
+        steps = [e["size"] if e["action"] == "alloc" else -e["size"] for e in events
+                 if e["action"] in ("alloc", "free_completed")]
+        before = plan["persistent_bytes"] + plan["optimizer_state_bytes"]  # alive before the step: no events
+        assert before + max(itertools.accumulate(steps)) == plan["peak_bytes"], path
 
 
 def test_a_model_thunder_cannot_trace_is_said_so_in_one_line(capsys):

@@ -11,7 +11,8 @@ from thunder_fsdp_mem.report import pattern_name
     [
         ([f"block {i}.mlp.fc.weight (gathered)" for i in range(32)], "block [0-31].mlp.fc.weight (gathered)"),
         ([f"t_transformer_h_{i}_attn_qkv_weight" for i in (3, 1, 2)], "t_transformer_h_[1-3]_attn_qkv_weight"),
-        ([f"block {i}.norm_{j}.weight" for i in (0, 2, 4, 6, 8) for j in (1, 2)], "block [0,2,4,6,...].norm_[1-2].weight"),
+        ([f"block {i}.norm_{j}.weight" for i in (0, 2, 4, 6, 8) for j in (1, 2)],
+         "block [0,2,4,6,...].norm_[1-2].weight"),
         (["block 7.attn.proj.weight (shard)"], "block 7.attn.proj.weight (shard)"),
         # a trace's own names carry no layer; names that differ in more than numbers: the first, and how many more
         (["t813", "t802"], "t813"),

@@ -158,3 +158,20 @@ def test_the_optimizer_step_matches_memtracker_on_cpu():
     measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     estimate = estimate_step(jitted, optimizer=optimizer)
     assert estimate.optimizer_peak_bytes == measured
+
+
+def test_timeline_by_category_adds_up_to_the_points_and_to_each_phases_peak(predicted_step):
+    _, step = predicted_step
+    timeline = step.timeline()
+    n = len(timeline.points)
+    assert all(len(series) == n for _, series in timeline.categories)
+    assert [sum(series[i] for _, series in timeline.categories) for i in range(n)] == list(timeline.points)
+    # At each traced phase's peak the split is what the walk found alive there (Phase.live_at_peak, made apart).
+    for phase, start in zip(step.phases, timeline.starts):
+        if phase.timeline is None:
+            continue
+        expected: dict = {}
+        for a in phase.live_at_peak:
+            expected[a.category] = expected.get(a.category, 0) + a.nbytes
+        at = start + phase.peak_index
+        assert {c: series[at] for c, series in timeline.categories if series[at]} == expected, phase.name

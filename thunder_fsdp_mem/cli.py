@@ -67,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
                              "thunder_fsdp_mem.cli report --measure ...)")
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
+    report.add_argument("--snapshot", metavar="PATH",
+                        help="also write the predicted step to PATH as a PyTorch memory snapshot (the pickle of "
+                             "torch.cuda.memory._dump_snapshot: open it on pytorch.org/memory_viz); beside it, "
+                             "with --transform, the plan without the transform (NAME-without-transform.pickle) "
+                             "and, with --measure on CUDA, the recorded step (NAME-measured.pickle)")
     report.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")
     return parser
 
@@ -119,7 +124,7 @@ def _validate(args) -> None:
     else:
         args.shard = args.shard or "zero2"
         args.world_size = args.world_size or 2
-    for path, option in ((args.json, "--json"), (args.plot, "--plot")):
+    for path, option in ((args.json, "--json"), (args.plot, "--plot"), (args.snapshot, "--snapshot")):
         if not path:
             continue
         folder = os.path.dirname(os.path.abspath(path))
@@ -177,7 +182,7 @@ def _measure(args, spec, memory):
     try:
         measured = measure_step(spec, rank, mode=args.mode, shard=args.shard, executors=args.executors,
                                 dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
-                                memory=memory)
+                                memory=memory, snapshot=bool(args.snapshot))
         return gather(measured)
     finally:
         if dist.is_initialized():
@@ -248,10 +253,32 @@ def _report(args) -> int:
                 json.dump(render_json(report), f, indent=2)
         if args.plot:
             render_plot(report, args.plot)
+        if args.snapshot:
+            _write_snapshots(args.snapshot, steps, measured)
     except OSError as e:  # checked before tracing, yet the file system may still refuse
-        target = ("--json", args.json) if args.json and e.filename == args.json else ("--plot", args.plot)
-        raise _UsageError(f"cannot write {target[0]} {target[1]}: {e.strerror or e}") from None
+        option = {args.json: "--json", args.plot: "--plot"}.get(e.filename, "--snapshot")
+        raise _UsageError(f"cannot write {option} {e.filename}: {e.strerror or e}") from None
     return 0
+
+
+def _write_snapshots(path: str, steps, measured) -> None:
+    """The reported plan's predicted snapshot to ``path``; the plan without the transform (with ``--transform``)
+    and the measured step's snapshot (``--measure`` on CUDA) beside it."""
+    import pickle
+
+    from thunder_fsdp_mem.snapshot import predicted_snapshot
+
+    stem = path[:-len(".pickle")] if path.endswith(".pickle") else path
+    written = {path: predicted_snapshot(steps[-1])}
+    if len(steps) > 1:
+        written[f"{stem}-without-transform.pickle"] = predicted_snapshot(steps[0])
+    recorded = next((m.snapshot for m in measured or () if m.snapshot is not None), None)
+    if recorded is not None:
+        written[f"{stem}-measured.pickle"] = recorded
+    for target, snapshot in written.items():
+        with open(target, "wb") as f:
+            pickle.dump(snapshot, f)
+        _say(f"memory snapshot written to {target}")
 
 
 def _tracing_failure(e: Exception, args, spec) -> str:

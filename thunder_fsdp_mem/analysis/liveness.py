@@ -98,6 +98,18 @@ class Allocation:
 
 
 @dataclass(frozen=True, slots=True)
+class OpMemory:
+    """What one bound symbol does to memory: the allocations it ``made`` and those ``freed`` at it (indices into
+    ``MemoryTimeline.allocations``), whether they were freed while it ran (``freed_first``: before its peak, as a
+    wait releases the input it held) or after it (a ``del``), and its ``workspace`` bytes at its peak."""
+
+    made: tuple[int, ...]
+    freed: tuple[int, ...]
+    freed_first: bool
+    workspace: int
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryTimeline:
     """Result of ``analyze``. Indices are positions in ``trace.bound_symbols``.
 
@@ -126,6 +138,28 @@ class MemoryTimeline:
 
     def live_at(self, index: int) -> tuple[Allocation, ...]:
         return tuple(a for a in self.allocations if a.live_at(index))
+
+    def ops(self) -> tuple[OpMemory, ...]:
+        """What each bound symbol does to memory, in order (the trace's inputs are alive before the first)."""
+        made: dict[int, list[int]] = {}
+        freed: dict[int, list[int]] = {}
+        live = 0
+        for j, a in enumerate(self.allocations):
+            if a.symbol == "input":
+                live += a.nbytes
+            else:
+                made.setdefault(a.start, []).append(j)
+            if a.end is not None:
+                freed.setdefault(a.end, []).append(j)
+        out = []
+        for i, peak in enumerate(self.op_peaks):
+            made_i, freed_i = tuple(made.get(i, ())), tuple(freed.get(i, ()))
+            new = sum(self.allocations[j].nbytes for j in made_i)
+            gone = sum(self.allocations[j].nbytes for j in freed_i)
+            first = live + new > peak  # released while the symbol ran (a wait's held input), not after it
+            out.append(OpMemory(made_i, freed_i, first, max(0, peak - (live + new - (gone if first else 0)))))
+            live += new - gone
+        return tuple(out)
 
     def bytes_by_category(self, allocations: tuple[Allocation, ...] | None = None) -> dict[Category, int]:
         out: dict[Category, int] = {}

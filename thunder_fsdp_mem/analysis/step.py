@@ -56,7 +56,8 @@ class Stage(str, Enum):
 class Phase:
     """One phase of the step: a trace's timeline, or a step without a trace (the caller's loss, a collective's
     buffers), plus what is alive outside it. ``name``: what a report calls it (``forward``, ``backward: block 3``);
-    ``extra``: allocations of a phase without a trace, alive at its peak; ``symbol``: what such a phase runs."""
+    ``extra``: allocations of a phase without a trace, alive at its peak; ``symbol``: what such a phase runs;
+    ``inside``: the allocations held before the phase that its timeline counts (among its inputs)."""
 
     stage: Stage
     name: str
@@ -64,6 +65,7 @@ class Phase:
     outside: tuple[Allocation, ...]
     extra: tuple[Allocation, ...] = ()
     symbol: str = ""
+    inside: tuple[Allocation, ...] = ()
 
     @property
     def outside_bytes(self) -> int:
@@ -94,14 +96,41 @@ class Phase:
         base = self.outside_bytes + sum(a.nbytes for a in self.extra)
         return [b + base for b in self.timeline.op_peaks]
 
+    def category_points(self) -> dict[Category, list[int]]:
+        """``points`` split by category (an op's workspace is temporary)."""
+        live: dict[Category, int] = {}
+        for a in (*self.outside, *self.extra, *(() if self.timeline is None else (
+                a for a in self.timeline.allocations if a.symbol == "input"))):
+            live[a.category] = live.get(a.category, 0) + a.nbytes
+        if self.timeline is None:
+            return {c: [b] for c, b in live.items()}
+        allocations = self.timeline.allocations
+        out: dict[Category, list[int]] = {}
+
+        def add(indices, sign: int) -> None:
+            for j in indices:
+                live[allocations[j].category] = live.get(allocations[j].category, 0) + sign * allocations[j].nbytes
+
+        for i, op in enumerate(self.timeline.ops()):
+            if op.freed_first:
+                add(op.freed, -1)
+            add(op.made, 1)
+            for c in {*live, Category.TEMPORARY}:
+                out.setdefault(c, [0] * i).append(live.get(c, 0) + (op.workspace if c is Category.TEMPORARY else 0))
+            if not op.freed_first:
+                add(op.freed, -1)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Timeline:
     """Live bytes over the step, one point per bound symbol of each traced phase (the memory inside each op) and one
-    per phase without a trace; ``starts[k]`` is the index of phase k's first point."""
+    per phase without a trace; ``starts[k]`` is the index of phase k's first point; ``categories``: the points
+    split by category (each series as long as ``points``, adding up to them)."""
 
     points: tuple[int, ...]
     starts: tuple[int, ...]
+    categories: tuple[tuple[Category, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +176,17 @@ class StepMemory:
     def timeline(self) -> Timeline:
         points: list[int] = []
         starts = []
+        categories: dict[Category, list[int]] = {}
         for phase in self.phases:
             starts.append(len(points))
+            n = len(points)
             points += phase.points()
-        return Timeline(tuple(points), tuple(starts))
+            for c, series in phase.category_points().items():
+                categories.setdefault(c, [0] * n).extend(series)
+            for series in categories.values():
+                series.extend([0] * (len(points) - len(series)))
+        order = sorted(categories, key=list(Category).index)
+        return Timeline(tuple(points), tuple(starts), tuple((c, tuple(categories[c])) for c in order))
 
 
 def step_memory(phases: Iterable[Phase], *, forward: MemoryTimeline, backward: MemoryTimeline | None,
@@ -307,7 +343,8 @@ class Holdings:
         """A phase whose timeline (or ``extra``) counts the allocations of keys ``inside``; the rest is outside."""
         skip = set(inside)
         outside = tuple(a for k, a in self._live.items() if k not in skip)
-        phase = Phase(stage, name, timeline, outside, extra, symbol)
+        counted = tuple(a for k, a in self._live.items() if k in skip)
+        phase = Phase(stage, name, timeline, outside, extra, symbol, counted)
         self.phases.append(phase)
         return phase
 

@@ -6,8 +6,9 @@ every other transform, so that a probe follows each bound symbol of every execut
 compile and create the optimizer state; the next step is recorded:
 - on CUDA, after each symbol, ``memory_allocated`` and the peak since the previous probe (``max_memory_allocated``,
   then a reset). The peak of the forward and backward is the largest of those peaks and of the stretch from the
-  last probe to the end of the backward; the optimizer step's is read apart (the prediction does not model it;
-  ``benchmarks/compare.py``'s peak covers both);
+  last probe to the end of the backward; the whole step's, the optimizer step's included, is read apart (what
+  ``benchmarks/compare.py`` measures). With ``snapshot=True`` rank 0 also records the allocator's history of the
+  step (``torch.cuda.memory._record_memory_history``) and keeps its ``_snapshot()``;
 - on CPU the same figures, from the allocations torch's profiler records (``cpu_memory``: MemTracker, a dispatch
   mode, would have Dynamo run the FSDP2 step eagerly); of ``cpu_memory.REPEATS`` recorded steps the one with the
   least peak is kept (the profiler does not see the frees on gloo's worker thread).
@@ -62,7 +63,8 @@ class Run:
 class Measurement:
     """One rank's recorded step. ``peak_bytes``: the peak of the forward and backward, what the prediction covers;
     ``step_peak_bytes``: with the optimizer step, what ``benchmarks/compare.py`` measures. ``after_probes_bytes``:
-    the peak after the last probe until the optimizer step (the end of the backward)."""
+    the peak after the last probe until the optimizer step (the end of the backward). ``snapshot``: the CUDA
+    allocator's ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
 
     rank: int
     world_size: int
@@ -73,13 +75,15 @@ class Measurement:
     after_probes_bytes: int
     runs: tuple[Run, ...]
     loss: float
+    snapshot: dict | None = None
 
 
 def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard: str | None = None,
                  executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-                 memory: MemoryConfig | None = None) -> Measurement:
+                 memory: MemoryConfig | None = None, snapshot: bool = False) -> Measurement:
     """This rank's measurement of one step of ``spec`` in the report's ``mode`` (``fsdp2``, ``thunder-fsdp``,
-    ``jit``), with ``FSDPMemoryTransform`` configured by ``memory`` (None: without it)."""
+    ``jit``), with ``FSDPMemoryTransform`` configured by ``memory`` (None: without it). ``snapshot``: on CUDA, rank
+    0 records the allocator's history of the step (``Measurement.snapshot``)."""
     if (mode, memory is not None) not in TRAINERS:
         raise ValueError(f"mode must be one of fsdp2, thunder-fsdp, jit; got {mode!r}")
     recorder = _Recorder(rank.device)
@@ -92,14 +96,30 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
     for _ in range(WARMUP):
         trainer.step(idx, targets)
     best = None
+    history = snapshot and recorder.cuda and rank.rank == 0
     for _ in range(1 if recorder.cuda else REPEATS):
-        with recorder.recording(trainer, idx, targets):
+        with _allocator_history(history) as recorded, recorder.recording(trainer, idx, targets):
             loss = trainer.step(idx, targets, after_backward=recorder.backward_done)
         got = Measurement(rank.rank, rank.world_size, rank.device.type, name, recorder.peak, recorder.step_peak,
-                          recorder.after_probes, _runs(recorder.samples, probe), float(loss))
+                          recorder.after_probes, _runs(recorder.samples, probe), float(loss), recorded.get("snapshot"))
         if best is None or got.peak_bytes < best.peak_bytes:
             best = got
     return best
+
+
+@contextmanager
+def _allocator_history(on: bool):
+    """Records the CUDA allocator's history while open (``on``); the snapshot lands in the yielded dict."""
+    out: dict = {}
+    if not on:
+        yield out
+        return
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield out
+        out["snapshot"] = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def gather(measurement: Measurement) -> list[Measurement] | None:
