@@ -114,7 +114,7 @@ def _allocator_history(on: bool):
     if not on:
         yield out
         return
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
         yield out
         out["snapshot"] = torch.cuda.memory._snapshot()
