@@ -21,7 +21,9 @@ def _check(measured: dict, *, paired: int, ranks: int, tolerance: float) -> None
     assert len(measured["ranks_peak_bytes"]) == ranks
     assert measured["peak_bytes"] == max(measured["ranks_peak_bytes"])
     assert abs(measured["error"]) <= tolerance, measured["error"]
-    for stage in measured["stages"]:  # forward, backward (the loss included), both
+    # forward, backward (the loss included), both, the optimizer's step alone, the whole step
+    assert [s["stage"] for s in measured["stages"]][3] == "the optimizer step"
+    for stage in measured["stages"]:
         assert abs(stage["predicted_bytes"] - stage["measured_bytes"]) <= tolerance * stage["measured_bytes"], stage
     assert measured["step_peak_bytes"] >= measured["peak_bytes"]  # the optimizer step adds AdamW's temporaries
 

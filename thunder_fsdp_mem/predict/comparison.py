@@ -28,7 +28,8 @@ class Comparison:
     predicted one. ``predicted_step_peak_bytes`` / ``step_peak_bytes``: of the whole step, the optimizer step
     included (what ``max_memory_allocated`` over a step says). ``stages``: (stage, predicted, measured) peaks over
     the stretches of the forward's samples, of the backward's (from the end of the forward: the loss included), of
-    both, and of the whole step.
+    both, of the optimizer's step (from the end of the backward; where the prediction models it) and of the whole
+    step.
     ``paired``: runs paired with a phase; ``unpaired``: runs of traces with a backward, and phases with a trace,
     left without a partner ((0, 0) when the measured step ran the traces the prediction has)."""
 
@@ -110,6 +111,8 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
         measured_peak_where=where_peak, step_peak_bytes=measured.step_peak_bytes,
         stages=(("forward", *stage(Stage.FORWARD)), ("backward (the loss included)", *stage(Stage.BACKWARD)),
                 ("forward and backward", step.training_peak_bytes, measured.peak_bytes),
+                *([("the optimizer step", step.optimizer_peak_bytes, measured.optimizer_peak_bytes)]
+                  if step.optimizer_peak_bytes else []),
                 ("the whole step, the optimizer step included", step.peak_bytes, measured.step_peak_bytes)),
         points=tuple(points), paired=paired, unpaired=(unpaired_runs, len(traced) - paired),
     )

@@ -63,7 +63,8 @@ class Run:
 class Measurement:
     """One rank's recorded step. ``peak_bytes``: the peak of the forward and backward, what the prediction covers;
     ``step_peak_bytes``: with the optimizer step, what ``benchmarks/compare.py`` measures. ``after_probes_bytes``:
-    the peak after the last probe until the optimizer step (the end of the backward). ``snapshot``: the CUDA
+    the peak after the last probe until the optimizer step (the end of the backward); ``optimizer_peak_bytes``:
+    from there to the end of the step (the optimizer's step). ``snapshot``: the CUDA
     allocator's ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
 
     rank: int
@@ -76,6 +77,7 @@ class Measurement:
     runs: tuple[Run, ...]
     loss: float
     snapshot: dict | None = None
+    optimizer_peak_bytes: int = 0
 
 
 def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard: str | None = None,
@@ -101,7 +103,8 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
         with _allocator_history(history) as recorded, recorder.recording(trainer, idx, targets):
             loss = trainer.step(idx, targets, after_backward=recorder.backward_done)
         got = Measurement(rank.rank, rank.world_size, rank.device.type, name, recorder.peak, recorder.step_peak,
-                          recorder.after_probes, _runs(recorder.samples, probe), float(loss), recorded.get("snapshot"))
+                          recorder.after_probes, _runs(recorder.samples, probe), float(loss), recorded.get("snapshot"),
+                          recorder.optimizer_peak)
         if best is None or got.peak_bytes < best.peak_bytes:
             best = got
     return best
@@ -141,7 +144,7 @@ class _Recorder:
         self.cpu_memory = None
         self.active = False
         self.samples: list[tuple[int, int, int, int]] = []  # (tag, index, live, peak); on CPU 0, 0 until read
-        self.peak = self.step_peak = self.after_probes = 0
+        self.peak = self.step_peak = self.after_probes = self.optimizer_peak = 0
 
     def __call__(self, tag: int, index: int) -> None:
         if not self.active:
@@ -172,12 +175,15 @@ class _Recorder:
             yield
             torch.cuda.synchronize(self.device)
             self.peak = max([self.after_probes, *(s[3] for s in self.samples)])
-            self.step_peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            self.optimizer_peak = torch.cuda.max_memory_allocated(self.device)  # since the end of the backward
+            self.step_peak = max(self.peak, self.optimizer_peak)
             return
         with CPUMemory(trainer.model, trainer.optimizer, idx, targets) as self.cpu_memory:
             self.active = True
             yield
-        *probes, done = self.cpu_memory.marks()
+            self.cpu_memory.mark("step done")
+        *probes, done, end = self.cpu_memory.marks()
+        self.optimizer_peak = end.peak_bytes
         self.samples = [(tag, index, m.live_bytes, m.peak_bytes) for (tag, index, _, _), m in zip(self.samples, probes)]
         self.after_probes = done.peak_bytes
         self.peak = max([done.peak_bytes, *(m.peak_bytes for m in probes)])
