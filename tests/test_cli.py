@@ -129,6 +129,20 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
                                                                                           "rematerialization"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
+    # The JSON names the plan of its top-level figures, carries the settings and the versions, and, per plan, the
+    # categories at its peak, its top allocations and its timeline (split by category, phases marked).
+    assert report["plan"] == "with transform"
+    assert report["settings"] == {"model": "pythia-14m", "n_layers": 2, "block_size": 32, "micro_batch_size": 1,
+                                  "dtype": "bf16", "mode": "jit", "shard": None, "world_size": 1, "device": "cpu",
+                                  "executors": "default+cat", "transform": True, "memory_budget_bytes": None,
+                                  "measured": False}
+    assert report["versions"]["torch"] == torch.__version__ and "lightning-thunder" in report["versions"]
+    for plan in report["plans"]:
+        assert sum(plan["by_category"].values()) == plan["peak_bytes"] and plan["top"]
+        timeline = plan["timeline"]
+        assert max(timeline["points"]) == plan["peak_bytes"]
+        assert [sum(c) for c in zip(*timeline["categories"].values())] == timeline["points"]
+        assert [p["stage"] for p in timeline["phases"]] == ["forward", "loss", "backward", "optimizer step"]
     # Both plans as memory snapshots, each reaching its plan's peak when its events are replayed.
     for path, plan in ((snapshot, with_it), (tmp_path / "step-without-transform.pickle", without)):
         events = pickle.loads(path.read_bytes())["device_traces"][0]

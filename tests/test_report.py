@@ -101,3 +101,43 @@ def test_the_optimizer_state_is_named_alike_in_every_mode():
     fsdp2 = state(compose_step(spec, world_size=1, shard="zero2", device_type="cpu"))
     assert "AdamW exp_avg of transformer.h.0.attn.qkv.weight" in jit
     assert jit == fsdp2
+
+
+@pytest.fixture(scope="module")
+def two_plans():
+    """pythia-14m's step without the transform and with it (another number of symbols in each trace)."""
+    from thunder_fsdp_mem.config import MemoryConfig
+    from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
+    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.training import models
+
+    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    without = trace_step(spec, mode="jit", device_type="cpu")
+    with_it, _ = plan_step(spec, MemoryConfig(), mode="jit", device_type="cpu")
+    return build_report(with_it, title="pythia-14m", baseline=without)
+
+
+def test_plot_is_in_the_labels_unit_from_zero_with_the_phases_lined_up(two_plans):
+    from thunder_fsdp_mem.report import plot_figure
+
+    plans = two_plans.plans
+    timelines = [p.step.timeline() for p in plans]
+    assert len(timelines[0].points) != len(timelines[1].points)
+    fig = plot_figure(two_plans)
+    line_axes, stacked = fig.axes
+    peak = max(p.step.peak_bytes for p in plans)
+    assert 2**20 <= peak < 2**30
+    assert line_axes.get_ylabel().endswith("(MiB)") and stacked.get_ylabel().endswith("(MiB)")
+    assert line_axes.get_ylim()[0] == 0 and stacked.get_ylim()[0] == 0
+    lines = line_axes.get_lines()[:2]
+    assert [line.get_label() for line in lines] == ["without transform", "with transform"]
+    assert max(max(line.get_ydata()) for line in lines) * 2**20 == pytest.approx(peak)
+    # Phase k of one plan lies after phase k-1 of the other: the forward, the loss, the backward and the optimizer
+    # step line up although the transform changed the traces' lengths.
+    spans = []
+    for line, timeline in zip(lines, timelines):
+        xs = list(line.get_xdata())
+        ends = [*timeline.starts[1:], len(xs)]
+        spans.append([(min(xs[a:b]), max(xs[a:b])) for a, b in zip(timeline.starts, ends)])
+    for k in range(1, len(spans[0])):
+        assert max(s[k - 1][1] for s in spans) < min(s[k][0] for s in spans), k

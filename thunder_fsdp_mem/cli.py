@@ -244,7 +244,7 @@ def _report(args) -> int:
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
                           measured=comparison, rewrites=tuple(transform.rewrites) if transform else (),
-                          budget=args.memory_budget)
+                          budget=args.memory_budget, settings=_settings(args, n_layers))
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     try:
@@ -259,6 +259,14 @@ def _report(args) -> int:
         option = {args.json: "--json", args.plot: "--plot"}.get(e.filename, "--snapshot")
         raise _UsageError(f"cannot write {option} {e.filename}: {e.strerror or e}") from None
     return 0
+
+
+def _settings(args, n_layers: int) -> dict[str, object]:
+    """What the step was made of, as the report's JSON carries it."""
+    return {"model": args.model, "n_layers": n_layers, "block_size": args.block_size,
+            "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "mode": args.mode, "shard": args.shard,
+            "world_size": args.world_size, "device": args.device, "executors": args.executors,
+            "transform": args.transform, "memory_budget_bytes": args.memory_budget, "measured": args.measure}
 
 
 def _write_snapshots(path: str, steps, measured) -> None:

@@ -10,9 +10,11 @@ line (one per block of a litgpt model) are one row with a count.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import io
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
@@ -20,7 +22,7 @@ from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.analysis.step import Stage, StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
-from thunder_fsdp_mem.units import format_bytes
+from thunder_fsdp_mem.units import format_bytes, unit_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,8 @@ class Report:
     rewrites: tuple[Rewrite, ...] = ()  # what each pass of the transform did, for the plan with it
     budget: int | None = None  # the per-rank peak the plan with the transform was asked to fit
     advice: tuple[Advice, ...] = ()  # what would lower the shown plan's peak
+    settings: tuple[tuple[str, object], ...] = ()  # what the step was made of (model, tokens, mode...), by name
+    versions: tuple[tuple[str, str], ...] = ()  # of this package and what it predicts with
 
     @property
     def shown(self) -> Plan:
@@ -74,16 +78,33 @@ class Report:
 
 def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
                  measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = (),
-                 budget: int | None = None) -> Report:
+                 budget: int | None = None, settings: dict[str, object] | None = None) -> Report:
     """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
     ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``;
-    ``budget``: the per-rank peak it was asked to fit."""
+    ``budget``: the per-rank peak it was asked to fit; ``settings``: what the step was made of, by name."""
     plans = [] if baseline is None else [_plan("without transform", baseline, top)]
     label = "estimate" if baseline is None else ("with transform" if budget is None else
                                                   f"with transform, budget {format_bytes(budget)}")
     plans.append(_plan(label, step, top))
     return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget,
-                  advice=advice(step))
+                  advice=advice(step), settings=tuple((settings or {}).items()), versions=versions())
+
+
+# distribution -> its module: the module's own ``__version__`` where it is imported (torch's names its CUDA build)
+VERSIONED = {"thunder-fsdp-mem": "thunder_fsdp_mem", "lightning-thunder": "thunder", "torch": "torch",
+             "litgpt": "litgpt", "nvfuser": "nvfuser"}
+
+
+def versions() -> tuple[tuple[str, str], ...]:
+    """The versions of ``VERSIONED``'s distributions that are installed."""
+    out = []
+    for name, module in VERSIONED.items():
+        version = getattr(sys.modules.get(module), "__version__", None)
+        try:
+            out.append((name, str(version or importlib.metadata.version(name))))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,13 +376,16 @@ def _print_measured(console, m: Comparison) -> None:
 
 
 def render_json(report: Report) -> dict:
-    """The shown plan at the top level (``peak_bytes``, ``top``...); with two plans, also ``plans`` with each one's
-    summary."""
+    """The settings and versions; the shown plan's figures at the top level (``plan`` names it: ``peak_bytes``,
+    ``top``...); ``plans``: every plan's figures, categories at its peak, top allocations and timeline."""
     shown = report.shown
     out = {
         "title": report.title,
+        "settings": dict(report.settings),
+        "versions": dict(report.versions),
+        "plan": shown.label,  # the top-level figures below are this plan's
         **_plan_json(shown),
-        "plans": [{"label": p.label, **{key: value for _, key, value in _summary(p.step)}} for p in report.plans],
+        "plans": [{"label": p.label, **_plan_json(p), "timeline": _timeline_json(p.step)} for p in report.plans],
         "transform_passes": [{**dataclasses.asdict(r), "outcome": r.outcome.value} for r in report.rewrites],
         "budget_bytes": report.budget,
         "advice": [{"text": a.text, "saving_bytes": a.saving_bytes} for a in report.advice],
@@ -397,52 +421,118 @@ def _plan_json(plan: Plan) -> dict:
     }
 
 
+def _timeline_json(step: StepMemory) -> dict:
+    """Live bytes during each symbol of the step (``points``), split by category, and where each phase starts."""
+    timeline = step.timeline()
+    return {
+        "points": list(timeline.points),
+        "phases": [{"name": p.name, "stage": p.stage.value, "start": start, "peak_bytes": p.peak_bytes}
+                   for p, start in zip(step.phases, timeline.starts)],
+        "categories": {c.value: list(series) for c, series in timeline.categories},
+    }
+
+
 def render_plot(report: Report, path: str) -> None:
-    """Live memory over the step for each plan, phases marked (the forward, the loss, the backward, and under
-    FSDP2 each block's), each plan's peak annotated (PNG, SVG or PDF)."""
+    """``plot_figure(report)`` written to ``path`` (PNG, SVG or PDF)."""
+    import matplotlib.pyplot as plt
+
+    fig = plot_figure(report)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_figure(report: Report):
+    """Live memory over the step for each plan, its peak annotated; below, the shown plan's memory stacked by
+    category. The y axes are in the unit of the labels, from 0; the x axis runs over the step's phases, each as
+    wide in every plan (its symbols spread over it: ``phase_axis``), the stages as bands. A matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for plan in report.plans:
-        timeline = plan.step.timeline()
-        points = timeline.points
-        xs = [i / max(1, len(points) - 1) for i in range(len(points))]  # the step's progress, 0 to 1
-        gib = [p / 2**30 for p in points]
-        line, = ax.plot(xs, gib, label=plan.label, linewidth=1)
-        top = max(range(len(gib)), key=gib.__getitem__)
-        ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], gib[top]),
-                    textcoords="offset points", xytext=(5, 5), color=line.get_color(), fontsize=8)
-        stage, labelled = None, -1.0
-        for phase, start in zip(plan.step.phases, timeline.starts):
-            if start >= len(xs):
-                continue
-            if phase.timeline is not None:  # a trace (under FSDP2, each block's): a light tick
-                ax.axvline(xs[start], color=line.get_color(), linestyle=":", linewidth=0.3, alpha=0.5)
-            if phase.stage is not stage and start > 0:  # forward, loss, backward: a line, labelled where room
-                ax.axvline(xs[start], color=line.get_color(), linestyle="--", linewidth=0.8)
-                if xs[start] - labelled > 0.05:
-                    ax.annotate(phase.stage.value, (xs[start], 0.01), xycoords=("data", "axes fraction"),
-                                textcoords="offset points", xytext=(2, 0), fontsize=7, color=line.get_color())
-                    labelled = xs[start]
-            stage = phase.stage
+    axis = phase_axis([p.step for p in report.plans])
+    unit, size = unit_of(max(p.step.peak_bytes for p in report.plans))
+    fig, (ax, stacked) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for n, (plan, xs) in enumerate(zip(report.plans, axis.xs)):
+        points = plan.step.timeline().points
+        line, = ax.plot(xs, [b / size for b in points], label=plan.label, linewidth=1)
+        top = max(range(len(points)), key=points.__getitem__)
+        right = xs[top] > 0.6 * axis.width  # the label to the left of a peak near the right edge
+        ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], points[top] / size),
+                    textcoords="offset points", xytext=(-5 if right else 5, -12 - 11 * n),
+                    ha="right" if right else "left", color=line.get_color(), fontsize=8)
     if report.measured is not None:
-        points = report.shown.step.timeline().points
-        scale = max(1, len(points) - 1)
         m = report.measured
+        xs = axis.xs[-1]
         label = (f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} "
                  f"({100 * m.error:+.2f}% predicted)")
-        ax.scatter([pos / scale for pos, _, _ in m.points], [b / 2**30 for _, b, _ in m.points], s=2, color="black",
+        ax.scatter([xs[pos] for pos, _, _ in m.points], [b / size for _, b, _ in m.points], s=2, color="black",
                    linewidths=0, label=label, zorder=3)
-    ax.set_xlabel("progress through the step (symbols of the forward, the loss, the backward; dotted: blocks)")
-    ax.set_ylabel("live memory per rank (GiB)")
-    ax.set_title(report.title, fontsize=9)
+    shown = report.shown.step.timeline()
+    series = [(c.value, [b / size for b in values]) for c, values in shown.categories if any(values)]
+    stacked.stackplot(axis.xs[-1], *(values for _, values in series), labels=[name for name, _ in series],
+                      linewidth=0)
+    for a in (ax, stacked):
+        for n, (stage, start, end) in enumerate(axis.bands):
+            a.axvspan(start, end, color="0.93" if n % 2 else "white", zorder=0)
+            if a is ax:
+                a.annotate(stage, ((start + end) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
+                           va="bottom", fontsize=7)
+        for x in axis.traces:  # each trace's start (under FSDP2, each block's)
+            a.axvline(x, color="0.6", linestyle=":", linewidth=0.3)
+        a.set_ylim(bottom=0)
+        a.set_xlim(0, axis.width)
+    ax.set_ylabel(f"live memory per rank ({unit})")
     ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(report.title, fontsize=9, pad=14)
+    stacked.set_ylabel(f"{report.shown.label}, by category ({unit})", fontsize=8)
+    stacked.legend(loc="upper left", fontsize=7, ncol=2)
+    stacked.set_xlabel("symbols of the step, phase by phase (each phase as wide in every plan; dotted: a trace "
+                       "starts)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseAxis:
+    """A common x axis for steps of the same phases: phase k spans the same stretch in each, as wide as its most
+    symbols (a phase without a trace, or with few, as wide as a fiftieth of the step), its points spread evenly
+    over it. ``xs``: each step's points' positions; ``bands``: (stage, start, end) for each run of phases of one
+    stage; ``traces``: where each phase with a trace starts; ``width``: the axis's end. Steps whose phases differ
+    are each spread over the whole axis."""
+
+    xs: tuple[tuple[float, ...], ...]
+    bands: tuple[tuple[str, float, float], ...]
+    traces: tuple[float, ...]
+    width: float
+
+
+def phase_axis(steps: list[StepMemory]) -> PhaseAxis:
+    timelines = [s.timeline() for s in steps]
+    counts = [[b - a for a, b in zip(t.starts, (*t.starts[1:], len(t.points)))] for t in timelines]
+    phases = steps[-1].phases
+    if any([(p.stage, p.name) for p in s.phases] != [(p.stage, p.name) for p in phases] for s in steps):
+        counts = [[len(t.points)] for t in timelines]  # one stretch each, the whole axis
+        widths = [float(max(len(t.points) for t in timelines))]
+    else:
+        widths = [float(max(c[k] for c in counts)) for k in range(len(phases))]
+        least = sum(widths) / 50
+        widths = [max(w, least) for w in widths]
+    edges = [0.0]
+    for w in widths:
+        edges.append(edges[-1] + w)
+    xs = tuple(tuple(edges[k] + (j + 0.5) * widths[k] / c for k, c in enumerate(per) for j in range(c))
+               for per in counts)
+    if len(widths) != len(phases):
+        return PhaseAxis(xs, (), (), edges[-1])
+    bands: list[tuple[str, float, float]] = []
+    for k, phase in enumerate(phases):
+        if bands and bands[-1][0] == phase.stage.value:
+            bands[-1] = (bands[-1][0], bands[-1][1], edges[k + 1])
+        else:
+            bands.append((phase.stage.value, edges[k], edges[k + 1]))
+    traces = tuple(edges[k] for k, p in enumerate(phases) if p.timeline is not None and k > 0)
+    return PhaseAxis(xs, tuple(bands), traces, edges[-1])
 
 
 def _short(source: str | None) -> str:

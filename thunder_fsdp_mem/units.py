@@ -6,18 +6,23 @@ from __future__ import annotations
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
+def unit_of(nbytes: int) -> tuple[str, int]:
+    """The unit ``format_bytes`` writes ``nbytes`` in, and its size: ``unit_of(3 * 2**30) == ("GiB", 2**30)``."""
+    value, size = abs(nbytes), 1
+    for unit in _UNITS:
+        if value < 1024 * size or unit == _UNITS[-1]:
+            return unit, size
+        size *= 1024
+    raise AssertionError("unreachable")
+
+
 def format_bytes(nbytes: int, precision: int = 2) -> str:
     """``format_bytes(3 * 2**30) == '3.00 GiB'``; negative values keep their sign."""
+    unit, size = unit_of(nbytes)
     sign = "-" if nbytes < 0 else ""
-    value = float(abs(nbytes))
-    unit = _UNITS[0]
-    for unit in _UNITS:
-        if value < 1024 or unit == _UNITS[-1]:
-            break
-        value /= 1024
     if unit == "B":
-        return f"{sign}{int(value)} B"
-    return f"{sign}{value:.{precision}f} {unit}"
+        return f"{sign}{abs(nbytes)} B"
+    return f"{sign}{abs(nbytes) / size:.{precision}f} {unit}"
 
 
 _PARSED = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
