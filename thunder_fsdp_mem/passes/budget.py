@@ -5,7 +5,12 @@ Entry point: ``fit(forward, backward, *, excess, judge, recompute_weight, rates)
 
 ``recompute.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
 expensive ops run again (``cost.op_seconds``): each second of recomputation costs ``price`` bytes. At a high price
-it is the cut without them (cheap ops only); at price 0 it saves the least the forward can save. The plan that
+it is the cut without them (cheap ops only); at price 0 it saves the least the forward can save. The cut counts
+saved bytes, not when the backward holds what it recomputes: where one recomputed expensive op feeds another (a
+block's fused region feeding the next block's), the backward must run the whole chain before the first block it
+needs, and holds every link's outputs from there on. So each price gives two candidates, the cut and the cut with
+such chains broken (``segments=True``: the links' inputs saved, as activation checkpointing saves each block's
+input), and the better is kept: over the budget by less, or fitting with less recomputation. The plan that
 recomputes least while it fits is the one at the highest price that fits. Saving less is not always a lower peak
 (what the backward recomputes is alive in backward too), so the peak is not monotone in the price: ``fit`` tries
 the cut without a price, then ``GRID`` prices from the highest down to 0; if one fits, it bisects the price's
@@ -13,9 +18,12 @@ logarithm between the highest that fits and the next above it; if none fits, the
 (``Fit.reached`` is False) and the plan nearest to it among those tried is the answer. Every candidate is the
 pair as it came, rewritten by ``recompute.apply_plan`` and judged by ``judge`` (the transform's estimate of the
 step, with the loss and the optimizer state it is told of); ``excess`` says by how many bytes an estimate is over
-the budget (0: it fits). Pure: the traces given are not changed.
+the budget (0: it fits). Alike expensive ops (each block's fused region) cost alike, so they flip together at one
+price: the plan found is then refined to recompute the fewest of those that fit (``_fewer``: the earliest in
+forward order, their number bisected). Pure: the traces given are not changed.
 
-Cost: one cut, one rewrite and one estimate per candidate, at most ``2 + len(GRID) + BISECTIONS``.
+Cost: one cut, one rewrite and one estimate per candidate, at most ``1 + 2 * (len(GRID) + BISECTIONS + log2 n)``
+for n alike ops.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from thunder.core.trace import TraceCtx
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates
 from thunder_fsdp_mem.analysis.step import StepMemory
 from thunder_fsdp_mem.passes.driver import Recomputed
-from thunder_fsdp_mem.passes.recompute import SavePlan, apply_plan, plan_saved, recomputed_groups
+from thunder_fsdp_mem.passes.recompute import SavePlan, apply_plan, plan_saved, priced, recomputed_groups
 
 BISECTIONS = 4
 # Prices, in bytes of saved memory per second of recomputation, tried from the highest: at 10^15 B/s a GB is worth
@@ -61,12 +69,24 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
         rates: DeviceRates = H200) -> Fit:
     """The plan whose ``excess`` is 0 recomputing least (see the module's docstring)."""
 
-    def attempt(price: float | None) -> Fit:
-        plan = plan_saved(forward, recompute_weight=recompute_weight, price=price, rates=rates)
-        new_forward, new_backward = apply_plan(forward, backward, plan) if plan.changes else (forward, backward)
-        estimate = judge(new_forward, new_backward)
-        return Fit(plan, new_forward, new_backward, estimate, price, excess(estimate) <= 0,
-                   recomputed_groups(forward, plan, rates))
+    def rank(f: Fit) -> tuple[int, float]:  # over the budget by less; fitting, with less recomputation
+        over = excess(f.estimate)
+        return over, f.seconds if over <= 0 else f.estimate.peak_bytes
+
+    def attempt(price: float | None, only: frozenset[int] | None = None) -> Fit:
+        best = None
+        for segments in (False, True) if price is not None else (False,):
+            plan = plan_saved(forward, recompute_weight=recompute_weight, price=price, rates=rates,
+                              segments=segments, only=only)
+            if best is not None and plan == best.plan:
+                continue
+            new_forward, new_backward = apply_plan(forward, backward, plan) if plan.changes else (forward, backward)
+            estimate = judge(new_forward, new_backward)
+            candidate = Fit(plan, new_forward, new_backward, estimate, price, excess(estimate) <= 0,
+                            recomputed_groups(forward, plan, rates))
+            if best is None or rank(candidate) < rank(best):
+                best = candidate
+        return best
 
     tried = [attempt(None)]
     if tried[0].reached:
@@ -80,12 +100,33 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
     best = tried[-1]
     if best.price == 0.0 or len(tried) < 3:
         return best
-    low, high = math.log10(best.price), math.log10(tried[-2].price)  # low fits, high does not
+    above = tried[-2]
+    low, high = math.log10(best.price), math.log10(above.price)  # low fits, high does not
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
         candidate = attempt(10.0 ** middle)
         if candidate.reached:
             best, low = candidate, middle
         else:
-            high = middle
+            above, high = candidate, middle
+    return _fewer(best, above, forward, attempt)
+
+
+def _fewer(best: Fit, above: Fit, forward: TraceCtx, attempt: Callable[..., Fit]) -> Fit:
+    """``best`` with fewer of the expensive ops that ``above`` (the plan at the next higher price, which does not
+    fit) keeps and ``best`` recomputes, where fewer fit: the first k of them in forward order (the earliest blocks,
+    which the backward reaches last, when it holds least), k bisected. Alike ops (each block's region) flip at one
+    price, so the price alone recomputes all of them or none."""
+    dear = [i for i in best.plan.recompute if priced(forward.bound_symbols[i])]
+    kept = set(above.plan.recompute)
+    flipped = [i for i in dear if i not in kept]
+    allowed = frozenset(i for i in dear if i in kept)
+    low, high = 0, len(flipped)  # high fits (best); low does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        candidate = attempt(best.price, only=allowed | frozenset(flipped[:middle]))
+        if candidate.reached:
+            best, high = candidate, middle
+        else:
+            low = middle
     return best

@@ -28,7 +28,9 @@ become recomputable too: matmuls, attention without dropout, embeddings, and fus
 ops (``priced``). Each is such a node, fed with capacity price x its time (``cost.op_seconds``), so that the cut
 minimises saved bytes + w x traffic + price x the time of the expensive ops run again. A high price gives the cut
 without them; price 0 saves the least the forward can save. ``passes.budget`` chooses the price that fits a
-memory budget.
+memory budget. With ``segments=True``, an argument of a recomputed expensive op that would itself be rebuilt from
+another recomputed expensive op is saved instead, so that each is recomputed from saved tensors and cheap ops
+alone, just before the backward needs it (as activation checkpointing recomputes a block from its saved input).
 
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
 saved tensors; the backward unpacks them and recomputes the rest just before their first use; a recomputed
@@ -137,10 +139,12 @@ def priced(bsym) -> bool:
 
 
 def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float | None = None,
-               rates: DeviceRates = H200) -> SavePlan:
+               rates: DeviceRates = H200, segments: bool = False, only: frozenset[int] | None = None) -> SavePlan:
     """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
     bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes, and, with a ``price``,
-    plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``."""
+    plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``. ``segments``: no
+    expensive op is recomputed from another (see the module's docstring); ``only``: the indices of the expensive
+    ops the price may recompute (None: all)."""
     saved = saved_tensors(forward)
     bsyms = forward.bound_symbols
     producer: dict[str, int] = {}
@@ -161,7 +165,7 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
         if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
         can[i] = recomputable(bsym)
-        if not can[i] and price is not None and priced(bsym):
+        if not can[i] and price is not None and priced(bsym) and (only is None or i in only):
             can[i] = dear[i] = True
         for o in bsym.flat_proxy_outs:
             producer.setdefault(o.name, i)
@@ -199,8 +203,22 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
 
     _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK, flow_func=boykov_kolmogorov)
     chosen = {n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side}
+    recompute = _recomputed(bsyms, required, chosen, producer, can)
+    if segments and any(dear[i] for i in recompute):
+        chosen |= _segment_inputs(bsyms, recompute, chosen, producer, dear, inputs)
+        recompute = _recomputed(bsyms, required, chosen, producer, can)
+    needed = {a.name for i in recompute for a in bsyms[i].flat_proxy_args} | required
+    order = {t.name: k for k, t in enumerate(saved)}
+    kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
+    after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
+    traffic = sum(op_traffic(bsyms[i]) for i in recompute)
+    seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
+    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
+                    traffic_bytes=traffic, seconds=seconds)
 
-    # The symbols to run again: walk back from what the backward needs to what is saved.
+
+def _recomputed(bsyms, required: set[str], chosen: set[str], producer: dict[str, int], can: list[bool]) -> set[int]:
+    """The symbols to run again: walk back from what the backward needs to what is saved."""
     recompute: set[int] = set()
     stack = [n for n in required if n not in chosen]
     seen = set(stack)
@@ -214,14 +232,28 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
             if a.name not in chosen and a.name not in seen:
                 seen.add(a.name)
                 stack.append(a.name)
-    needed = {a.name for i in recompute for a in bsyms[i].flat_proxy_args} | required
-    order = {t.name: k for k, t in enumerate(saved)}
-    kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
-    after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
-    traffic = sum(op_traffic(bsyms[i]) for i in recompute)
-    seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
-    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
-                    traffic_bytes=traffic, seconds=seconds)
+    return recompute
+
+
+def _segment_inputs(bsyms, recompute: set[int], chosen: set[str], producer: dict[str, int], dear: list[bool],
+                    inputs: set[str]) -> set[str]:
+    """The arguments of recomputed expensive symbols that would themselves be rebuilt from another recomputed
+    expensive symbol: saved instead, each expensive symbol then recomputed from saved tensors and cheap ops alone
+    (as activation checkpointing recomputes a block from its saved input), just before the backward needs it."""
+    behind: dict[str, bool] = {}  # a recomputed tensor -> rebuilt from a recomputed expensive symbol
+
+    def rebuilt_from_dear(a) -> bool:
+        return a.name not in chosen and a.name not in inputs and behind.get(a.name, False)
+
+    boundary = set()
+    for i in sorted(recompute):  # forward order: producers first
+        args = [a for a in bsyms[i].flat_proxy_args if isinstance(a, TensorProxy)]
+        if dear[i]:
+            boundary.update(a.name for a in args if rebuilt_from_dear(a))
+        made = dear[i] or any(rebuilt_from_dear(a) for a in args)
+        for o in bsyms[i].flat_proxy_outs:
+            behind[o.name] = made
+    return boundary
 
 
 def recomputed_groups(forward: TraceCtx, plan: SavePlan, rates: DeviceRates = H200) -> tuple[Recomputed, ...]:
@@ -316,7 +348,7 @@ def _clone(bsym, defined: set[str], trace: TraceCtx):
 
     def fresh(p):
         if isinstance(p, Proxy) and p.name in defined:
-            return p.replace_name(trace.make_name())
+            return p.replace_name(p.name, disambiguate=True)
         return p
 
     clone = bsym.from_bsym(output=tree_map(fresh, bsym.output)) if any(
