@@ -152,3 +152,59 @@ def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_drop
     for dear in (linear, attention(0.0)):
         assert recompute.priced(dear) and not recompute.recomputable(dear)
     assert not recompute.priced(attention(0.1))  # its random mask would differ in backward
+
+
+def two_blocks(x, w1, w2):
+    h1 = torch.tanh(x @ w1)  # block 1: bf16 [8, 32]
+    h2 = torch.tanh(h1 @ w2)  # block 2 reads block 1's output
+    return h2.float().sum()
+
+
+@pytest.fixture(scope="module")
+def chain():
+    x = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w1 = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w2 = torch.randn(32, 32, dtype=torch.bfloat16, requires_grad=True)
+    jitted = thunder.jit(two_blocks)
+    jitted(x, w1, w2).backward()
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    matmuls = [i for i, b in enumerate(forward.bound_symbols) if b.sym.name == "matmul"]
+    assert len(matmuls) == 2
+    return forward, backward, matmuls, (x, w1, w2)
+
+
+def test_segments_recompute_each_matmul_from_saved_tensors(chain):
+    forward, backward, (first, second), _ = chain
+    h1 = forward.bound_symbols[second].flat_proxy_args[0]  # what block 2's matmul reads: tanh(x @ w1)
+    # At price 0 the plain cut saves nothing beyond the inputs and rebuilds h1 by running block 1 again, so block 2
+    # can only be recomputed after block 1: a chain.
+    plain = recompute.plan_saved(forward, price=0.0)
+    assert plain.after_bytes == 0 and {first, second} <= set(plain.recompute)
+    # With segments, h1 (8 x 32 bf16: 512 bytes) is saved instead, and each matmul run again reads saved tensors
+    # only (block 1's still runs again, from x and w1, for the float32 tanh its backward reads).
+    segmented = recompute.plan_saved(forward, price=0.0, segments=True)
+    assert h1.name in segmented.saved and segmented.after_bytes == 8 * 32 * 2
+    assert second in segmented.recompute
+    for i in (first, second):
+        assert i not in segmented.recompute or all(
+            a.name in segmented.saved for a in forward.bound_symbols[i].flat_proxy_args)
+    # Only the expensive ops in `only` may be recomputed: block 2's output is then saved, block 1 recomputed.
+    only_first = recompute.plan_saved(forward, price=0.0, only=frozenset({first}))
+    assert first in only_first.recompute and second not in only_first.recompute
+
+
+def test_a_segmented_plan_computes_the_same_gradients(chain):
+    forward, backward, _, (x, w1, w2) = chain
+    plan = recompute.plan_saved(forward, price=0.0, segments=True)
+    new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
+    checks.check_rewrite(forward, new_forward, ignore_saved=True)
+    checks.check_rewrite(backward, new_backward)
+
+    def run(fw, bw):
+        out, (saved, other) = fw.python_callable()(x.detach(), w1.detach(), w2.detach())
+        return out["output"], bw.python_callable()([list(saved), list(other)], [torch.ones(())])
+
+    (loss,), grads = run(forward, backward)
+    (loss_s,), grads_s = run(new_forward, new_backward)
+    assert torch.equal(loss, loss_s)
+    assert len(grads) == 3 and all(torch.equal(a, b) for a, b in zip(grads, grads_s))
