@@ -34,6 +34,9 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["report", "--executors", "nvfuser"], "(choose from 'default', 'default+cat', 'fused')"),
         (["report", "--model", "Gemma-2-2b", "--n-layers", "1", "--block-size", "16"],
          "--mode fsdp2 does not model final_logit_softcapping"),
+        (["report", "--fit", "0"], "--fit must be more than 0 bytes"),
+        (["report", "--fit", "lots"], "--fit: cannot read 'lots' as a size"),
+        (["report", "--fit", "80GB", "--memory-budget", "60GB"], "drop --memory-budget"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -135,7 +138,7 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     assert report["settings"] == {"model": "pythia-14m", "n_layers": 2, "block_size": 32, "micro_batch_size": 1,
                                   "dtype": "bf16", "mode": "jit", "shard": None, "world_size": 1, "device": "cpu",
                                   "executors": "default+cat", "transform": True, "memory_budget_bytes": None,
-                                  "measured": False}
+                                  "measured": False, "fit_bytes": None}
     assert report["versions"]["torch"] == torch.__version__ and "lightning-thunder" in report["versions"]
     for plan in report["plans"]:
         assert sum(plan["by_category"].values()) == plan["peak_bytes"] and plan["top"]

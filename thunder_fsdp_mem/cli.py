@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
                              "recomputes matmuls and attention in backward where it must; shows what, and the "
                              "predicted added time (implies --transform)")
+    report.add_argument("--fit", metavar="SIZE", default=None,
+                        help="instead of one step, the largest sequence length (a power of two, at "
+                             "--micro-batch-size) and the largest micro-batch (at --block-size) whose predicted peak "
+                             "fits SIZE per rank (80GB, 141GiB), without the transform and with it at that budget")
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
@@ -112,6 +116,19 @@ def _validate(args) -> None:
             raise _UsageError("--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
                               "block's share of the budget comes from the prediction: benchmarks/compare.py "
                               "--modes fsdp2-thunder+mem@budget=SIZE measures it")
+    if args.fit is not None:
+        from thunder_fsdp_mem.units import parse_bytes
+
+        try:
+            args.fit = parse_bytes(args.fit)
+        except ValueError as e:
+            raise _UsageError(f"--fit: {e}") from None
+        if args.fit == 0:
+            raise _UsageError("--fit must be more than 0 bytes")
+        clashing = [o for o, on in (("--measure", args.measure), ("--memory-budget", args.memory_budget is not None),
+                                    ("--snapshot", args.snapshot), ("--plot", args.plot)) if on]
+        if clashing:
+            raise _UsageError(f"--fit searches many steps and shows no single one: drop {', '.join(clashing)}")
     if args.measure:
         _validate_measure(args)
     if args.mode == "jit":
@@ -197,6 +214,8 @@ def _report(args) -> int:
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
+    if args.fit is not None:
+        return _fit(args, spec, n_layers)
     plans = [None, MemoryConfig(memory_budget=args.memory_budget)] if args.transform else [None]
     steps = []
     transform = None
@@ -261,12 +280,56 @@ def _report(args) -> int:
     return 0
 
 
+def _fit(args, spec, n_layers: int) -> int:
+    from litgpt.config import name_to_config
+
+    from thunder_fsdp_mem.config import MemoryConfig
+    from thunder_fsdp_mem.predict.fit import fit_step
+    from thunder_fsdp_mem.report import fit_json, render_fit
+    from thunder_fsdp_mem.training import models
+
+    longest = max(name_to_config[args.model].get("block_size", args.block_size), args.block_size)
+    options = dict(mode=args.mode, shard=args.shard, world_size=args.world_size, device_type=args.device,
+                   dtype=models.DTYPES[args.dtype], executors=args.executors)
+    fits = []
+    try:
+        for label, config in (("without transform", None), ("with transform", MemoryConfig())):
+            traced = [0]
+
+            def on_trace(label=label, traced=traced) -> None:
+                traced[0] += 1
+                _say(f"--fit, {label}: {traced[0]} step(s) traced")
+
+            with warnings.catch_warnings():  # a candidate over the budget is what the search looks for
+                warnings.simplefilter("ignore", UserWarning)
+                fits.append((label, fit_step(spec, args.fit, config=config, longest=longest,
+                                             micro_batch_size=args.micro_batch_size, on_trace=on_trace, **options)))
+    except Exception as e:  # noqa: BLE001 - a model Thunder cannot trace, or a bug: one line unless -v
+        if args.verbose:
+            raise
+        print(f"thunder-fsdp-mem: {_tracing_failure(e, args, spec)} (run with -v for the traceback)",
+              file=sys.stderr)
+        return 1
+    where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
+    title = (f"{args.model}, {n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {args.mode} ({where}), "
+             f"{args.executors} executors, predicted for {args.device}")
+    print(render_fit(fits, title=title, block_size=args.block_size, micro_batch_size=args.micro_batch_size))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"title": title, "settings": _settings(args, n_layers), **fit_json(fits)}, f, indent=2)
+        except OSError as e:
+            raise _UsageError(f"cannot write --json {args.json}: {e.strerror or e}") from None
+    return 0
+
+
 def _settings(args, n_layers: int) -> dict[str, object]:
     """What the step was made of, as the report's JSON carries it."""
     return {"model": args.model, "n_layers": n_layers, "block_size": args.block_size,
             "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "mode": args.mode, "shard": args.shard,
             "world_size": args.world_size, "device": args.device, "executors": args.executors,
-            "transform": args.transform, "memory_budget_bytes": args.memory_budget, "measured": args.measure}
+            "transform": args.transform, "memory_budget_bytes": args.memory_budget, "measured": args.measure,
+            "fit_bytes": args.fit}
 
 
 def _write_snapshots(path: str, steps, measured) -> None:

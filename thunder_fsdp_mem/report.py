@@ -22,6 +22,7 @@ from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.analysis.step import Stage, StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
+from thunder_fsdp_mem.predict.fit import StepFit
 from thunder_fsdp_mem.units import format_bytes, unit_of
 
 
@@ -419,6 +420,41 @@ def _plan_json(plan: Plan) -> dict:
             for t in plan.top
         ],
     }
+
+
+def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, micro_batch_size: int) -> str:
+    """``report --fit``: per plan, the largest sequence length and micro-batch that fit, and the next that does
+    not, each with its predicted peak."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=180, color_system=None, highlight=False)
+    capacity = fits[0][1].capacity
+    console.print(f"{title}: the largest step whose predicted peak fits {format_bytes(capacity)} per rank "
+                  f"({capacity} bytes)")
+    console.print()
+
+    def cell(value: int | None, peak: int | None, what: str) -> str:
+        if value is None:
+            return "-"
+        return f"{value}{what} ({format_bytes(peak)})" if peak is not None else f"{value}{what}"
+
+    table = _table("plan", f"sequence length, micro-batch {micro_batch_size}", "next, over",
+                   f"micro-batch at {block_size} tokens", "next, over")
+    for label, fit in fits:
+        t, m = fit.tokens, fit.micro_batch
+        table.add_row(label, cell(t.value, t.peak_bytes, " tokens") if t.value else "none fits",
+                      cell(t.above, t.above_peak_bytes, ""), cell(m.value, m.peak_bytes, "") if m.value else
+                      "none fits", cell(m.above, m.above_peak_bytes, ""))
+    console.print(table)
+    console.print("(sequence lengths and micro-batches are powers of two; the transform runs with the size as its "
+                  "memory budget)")
+    return console.file.getvalue().rstrip("\n")
+
+
+def fit_json(fits: list[tuple[str, StepFit]]) -> dict:
+    return {"capacity_bytes": fits[0][1].capacity,
+            "plans": [{"label": label, "tokens": dataclasses.asdict(fit.tokens),
+                       "micro_batch": dataclasses.asdict(fit.micro_batch)} for label, fit in fits]}
 
 
 def _timeline_json(step: StepMemory) -> dict:
