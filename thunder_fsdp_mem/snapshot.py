@@ -39,10 +39,9 @@ BEFORE_THE_STEP = (Category.PARAMETER, Category.OPTIMIZER_STATE, Category.INPUT)
 
 
 @dataclass(frozen=True, slots=True)
-class _Event:
-    """The ``alloc`` of one block: its size, frames and category."""
+class _Block:
+    """One allocation of the replay: its size, frames and category."""
 
-    action: str
     nbytes: int
     frames: tuple[dict, ...]
     category: str
@@ -53,20 +52,20 @@ def predicted_snapshot(step: StepMemory) -> dict:
     replay = _events(step)
     arena = _Arena()
     address: dict[int, int] = {}
-    recorded = {block for action, block in replay.events if action == "alloc"}
-    for block, event in enumerate(replay.blocks):  # alive before the step: placed first
-        if block not in recorded:
-            address[block] = arena.allocate(event.nbytes)
+    recorded = {number for action, number in replay.events if action == "alloc"}
+    for number, block in enumerate(replay.blocks):  # alive before the step: placed first
+        if number not in recorded:
+            address[number] = arena.allocate(block.nbytes)
     trace = []
-    for action, block in replay.events:
-        event = replay.blocks[block]
+    for action, number in replay.events:
+        block = replay.blocks[number]
         if action == "alloc":
-            address[block] = arena.allocate(event.nbytes)
-            trace.append(_entry("alloc", address[block], event))
+            address[number] = arena.allocate(block.nbytes)
+            trace.append(_entry("alloc", address[number], block))
         else:
-            arena.free(address[block], event.nbytes)
-            trace.append(_entry("free_requested", address[block], event))
-            trace.append(_entry("free_completed", address[block], event))
+            arena.free(address[number], block.nbytes)
+            trace.append(_entry("free_requested", address[number], block))
+            trace.append(_entry("free_completed", address[number], block))
     size = max(arena.high, ALIGNMENT)
     # "unknown" among the events' categories: the viewer colours a block of the final state by it (and stops
     # loading a snapshot whose events have categories but not that one).
@@ -76,28 +75,28 @@ def predicted_snapshot(step: StepMemory) -> dict:
     return {"segments": [_segment(size, alive)], "device_traces": [[segment_alloc, *trace]]}
 
 
-def _entry(action: str, address: int, event: _Event) -> dict:
-    entry = {"action": action, "addr": address, "size": event.nbytes, "stream": 0, "frames": list(event.frames)}
-    if event.category:
-        entry["category"] = event.category
+def _entry(action: str, address: int, block: _Block) -> dict:
+    entry = {"action": action, "addr": address, "size": block.nbytes, "stream": 0, "frames": list(block.frames)}
+    if block.category:
+        entry["category"] = block.category
     return entry
 
 
-def _segment(size: int, alive: list[tuple[int, _Event]]) -> dict:
+def _segment(size: int, alive: list[tuple[int, _Block]]) -> dict:
     """The segment at the end of the step: its live blocks in address order, the gaps between them inactive."""
     blocks = []
     at = BASE_ADDRESS
-    for address, event in sorted(alive, key=lambda b: b[0]):
+    for address, block in sorted(alive, key=lambda b: b[0]):
         if address > at:
             blocks.append({"address": at, "size": address - at, "requested_size": 0, "state": "inactive",
                            "frames": []})
-        blocks.append({"address": address, "size": event.nbytes, "requested_size": event.nbytes,
-                       "state": "active_allocated", "frames": list(event.frames)})
-        at = address + event.nbytes
+        blocks.append({"address": address, "size": block.nbytes, "requested_size": block.nbytes,
+                       "state": "active_allocated", "frames": list(block.frames)})
+        at = address + block.nbytes
     if at < BASE_ADDRESS + size:
         blocks.append({"address": at, "size": BASE_ADDRESS + size - at, "requested_size": 0, "state": "inactive",
                        "frames": []})
-    allocated = sum(e.nbytes for _, e in alive)
+    allocated = sum(b.nbytes for _, b in alive)
     return {"device": DEVICE, "address": BASE_ADDRESS, "total_size": size, "stream": 0, "segment_type": "large",
             "segment_pool_id": (0, 0), "is_expandable": False, "allocated_size": allocated,
             "active_size": allocated, "requested_size": allocated, "blocks": blocks}
@@ -108,7 +107,7 @@ def _segment(size: int, alive: list[tuple[int, _Event]]) -> dict:
 @dataclass(slots=True)
 class _Live:
     """A block alive in the replay: the allocation's name and size as the phase that holds it names it, and the
-    block it is (its ``alloc`` event's number)."""
+    block it is (its number in ``_Replay.blocks``)."""
 
     name: str
     nbytes: int
@@ -120,15 +119,14 @@ class _Replay:
 
     def __init__(self) -> None:
         self.live: dict[Hashable, _Live] = {}
-        self.blocks: list[_Event] = []  # block number -> its alloc event
+        self.blocks: list[_Block] = []  # by number
         self.events: list[tuple[str, int]] = []  # ("alloc" | "free", block)
 
     def allocate(self, token: Hashable, a: Allocation | None, phase: Phase, *, nbytes: int | None = None,
                  frames: tuple[dict, ...] | None = None, recorded: bool = True) -> None:
         nbytes = a.nbytes if nbytes is None else nbytes
-        event = _Event("alloc", nbytes, frames if frames is not None else _frames(a, phase),
-                       a.category.value if a is not None else "temporary")
-        self.blocks.append(event)
+        self.blocks.append(_Block(nbytes, frames if frames is not None else _frames(a, phase),
+                                  a.category.value if a is not None else "temporary"))
         self.live[token] = _Live(a.name if a is not None else "", nbytes, len(self.blocks) - 1)
         if recorded:
             self.events.append(("alloc", len(self.blocks) - 1))
