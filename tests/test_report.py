@@ -141,3 +141,22 @@ def test_plot_is_in_the_labels_unit_from_zero_with_the_phases_lined_up(two_plans
         spans.append([(min(xs[a:b]), max(xs[a:b])) for a, b in zip(timeline.starts, ends)])
     for k in range(1, len(spans[0])):
         assert max(s[k - 1][1] for s in spans) < min(s[k][0] for s in spans), k
+
+
+def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predicted_step):
+    # On CPU AdamW steps one parameter at a time (single tensor): at its peak it holds wte's exp_avg_sq.sqrt() and
+    # that scaled while lm_head's denominator, the parameter before it, is still bound: three bf16 tensors of
+    # 50304 x 128, beside the parameters, gradients and state. Without them the peak falls to the next highest
+    # phase at most.
+    from thunder_fsdp_mem.analysis.step import Stage
+    from thunder_fsdp_mem.report import build_report
+
+    options, step = predicted_step
+    if options["mode"] != "jit":
+        pytest.skip("the one-device step on CPU is the one whose peak is AdamW's single-tensor step")
+    assert step.peak_stage is Stage.OPTIMIZER
+    held = 3 * 50304 * 128 * 2
+    others = max(p.peak_bytes for p in step.phases if p.stage is not Stage.OPTIMIZER)
+    (fused, *_) = build_report(step, title="pythia-14m").advice
+    assert "AdamW(..., fused=True)" in fused.text and "single tensor" in fused.text
+    assert fused.saving_bytes == min(held, step.peak_bytes - others)

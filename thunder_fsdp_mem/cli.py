@@ -103,28 +103,14 @@ def _validate(args) -> None:
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
     if args.memory_budget is not None:
-        from thunder_fsdp_mem.units import parse_bytes
-
-        try:
-            args.memory_budget = parse_bytes(args.memory_budget)
-        except ValueError as e:
-            raise _UsageError(f"--memory-budget: {e}") from None
-        if args.memory_budget == 0:
-            raise _UsageError("--memory-budget must be more than 0 bytes")
+        args.memory_budget = _size(args.memory_budget, "--memory-budget")
         args.transform = True
         if args.measure and args.mode == "fsdp2":
             raise _UsageError("--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
                               "block's share of the budget comes from the prediction: benchmarks/compare.py "
                               "--modes fsdp2-thunder+mem@budget=SIZE measures it")
     if args.fit is not None:
-        from thunder_fsdp_mem.units import parse_bytes
-
-        try:
-            args.fit = parse_bytes(args.fit)
-        except ValueError as e:
-            raise _UsageError(f"--fit: {e}") from None
-        if args.fit == 0:
-            raise _UsageError("--fit must be more than 0 bytes")
+        args.fit = _size(args.fit, "--fit")
         clashing = [o for o, on in (("--measure", args.measure), ("--memory-budget", args.memory_budget is not None),
                                     ("--snapshot", args.snapshot), ("--plot", args.plot)) if on]
         if clashing:
@@ -167,6 +153,19 @@ def _validate(args) -> None:
         if refused:
             raise _UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode "
                               "thunder-fsdp")
+
+
+def _size(text: str, option: str) -> int:
+    """A size a person typed, in bytes, more than 0."""
+    from thunder_fsdp_mem.units import parse_bytes
+
+    try:
+        size = parse_bytes(text)
+    except ValueError as e:
+        raise _UsageError(f"{option}: {e}") from None
+    if size == 0:
+        raise _UsageError(f"{option} must be more than 0 bytes")
+    return size
 
 
 def _validate_measure(args) -> None:
@@ -250,9 +249,7 @@ def _report(args) -> int:
     except Exception as e:  # noqa: BLE001 - a model Thunder cannot trace, or a bug: one line unless -v
         if args.verbose:
             raise
-        print(f"thunder-fsdp-mem: {_tracing_failure(e, args, spec)} (run with -v for the traceback)",
-              file=sys.stderr)
-        return 1
+        return _failed_tracing(e, args, spec)
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
     title = (f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
              f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device")
@@ -307,9 +304,7 @@ def _fit(args, spec, n_layers: int) -> int:
     except Exception as e:  # noqa: BLE001 - a model Thunder cannot trace, or a bug: one line unless -v
         if args.verbose:
             raise
-        print(f"thunder-fsdp-mem: {_tracing_failure(e, args, spec)} (run with -v for the traceback)",
-              file=sys.stderr)
-        return 1
+        return _failed_tracing(e, args, spec)
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
     title = (f"{args.model}, {n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {args.mode} ({where}), "
              f"{args.executors} executors, predicted for {args.device}")
@@ -350,6 +345,11 @@ def _write_snapshots(path: str, steps, measured) -> None:
         with open(target, "wb") as f:
             pickle.dump(snapshot, f)
         _say(f"memory snapshot written to {target}")
+
+
+def _failed_tracing(e: Exception, args, spec) -> int:
+    print(f"thunder-fsdp-mem: {_tracing_failure(e, args, spec)} (run with -v for the traceback)", file=sys.stderr)
+    return 1
 
 
 def _tracing_failure(e: Exception, args, spec) -> str:

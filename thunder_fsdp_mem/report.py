@@ -124,25 +124,20 @@ def advice(step: StepMemory) -> tuple[Advice, ...]:
     """One or two lines on what holds the peak and what would remove it: the eager loss (a chunked
     cross-entropy), saved activations (a memory budget), gathered parameters (ZeRO3 with the transform)."""
     out = []
-    loss = next((p for p in step.phases if p.stage is Stage.LOSS), None)
-    if step.peak_stage is Stage.LOSS and loss is not None:
-        held = sum(a.nbytes for a in loss.extra)
-        others = max((p.peak_bytes for p in step.phases if p is not loss), default=0)
-        saving = step.peak_bytes - max(others, loss.peak_bytes - held)
+    loss = _peak_held_by(step, Stage.LOSS)
+    if loss is not None:
+        held, saving = loss
         out.append(Advice(
             f"The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' gradient "
             f"hold {format_bytes(held)}. A chunked cross-entropy (litgpt's chunked_cross_entropy) holds a chunk of "
             f"each at a time: the peak would fall by up to {format_bytes(saving)}, to "
             f"{format_bytes(step.peak_bytes - saving)}.", saving))
-    optimizer = next((p for p in step.phases if p.stage is Stage.OPTIMIZER), None)
-    if step.peak_stage is Stage.OPTIMIZER and optimizer is not None:
-        held = sum(a.nbytes for a in optimizer.extra)
-        others = max((p.peak_bytes for p in step.phases if p is not optimizer), default=0)
-        saving = step.peak_bytes - max(others, optimizer.peak_bytes - held)
+    optimizer = _peak_held_by(step, Stage.OPTIMIZER)
+    if optimizer is not None:
+        held, saving = optimizer
         out.append(Advice(
-            f"The peak is in the optimizer's step ({optimizer.peak_symbol}): its temporaries hold "
-            f"{format_bytes(held)}. AdamW(..., fused=True) updates in place: the peak would fall by up to "
-            f"{format_bytes(saving)}, to "
+            f"The peak is in the optimizer's step ({step.peak_symbol}): its temporaries hold {format_bytes(held)}. "
+            f"AdamW(..., fused=True) updates in place: the peak would fall by up to {format_bytes(saving)}, to "
             f"{format_bytes(step.peak_bytes - saving)}.", saving))
     at_peak: dict[Category, int] = {}
     for a in step.live_at_peak:
@@ -158,6 +153,17 @@ def advice(step: StepMemory) -> tuple[Advice, ...]:
             f"Gathered parameters hold {format_bytes(gathered)} at the peak: with --shard zero3 and --transform they "
             "are gathered again in backward instead of kept from the forward.", gathered))
     return tuple(out)
+
+
+def _peak_held_by(step: StepMemory, stage: Stage) -> tuple[int, int] | None:
+    """Where the peak is in a phase of ``stage`` without a trace (the eager loss, the optimizer's step): what that
+    phase itself holds, and how much the peak would fall without it (to the next highest phase at most)."""
+    phase = next((p for p in step.phases if p.stage is stage), None)
+    if step.peak_stage is not stage or phase is None:
+        return None
+    held = sum(a.nbytes for a in phase.extra)
+    others = max((p.peak_bytes for p in step.phases if p is not phase), default=0)
+    return held, step.peak_bytes - max(others, phase.peak_bytes - held)
 
 
 def _plan(label: str, step: StepMemory, top: int) -> Plan:
