@@ -135,7 +135,7 @@ class Timeline:
 
 @dataclass(frozen=True, slots=True)
 class StepMemory:
-    """Memory of one forward and backward, per rank. All sizes in bytes.
+    """Memory of one training step (forward, loss, backward, optimizer step), per rank. All sizes in bytes.
 
     ``persistent_bytes``: parameters, buffers and inputs alive before the step.
     ``forward_peak_bytes`` / ``backward_peak_bytes`` / ``loss_peak_bytes`` / ``optimizer_peak_bytes``: the peak of
