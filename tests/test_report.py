@@ -143,6 +143,7 @@ def test_plot_is_in_the_labels_unit_from_zero_with_the_phases_lined_up(two_plans
         assert max(s[k - 1][1] for s in spans) < min(s[k][0] for s in spans), k
 
 
+@pytest.mark.parametrize("predicted_step", ["jit"], indirect=True)  # one device on CPU: single-tensor AdamW
 def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predicted_step):
     # On CPU AdamW steps one parameter at a time (single tensor): at its peak it holds wte's exp_avg_sq.sqrt() and
     # that scaled while lm_head's denominator, the parameter before it, is still bound: three bf16 tensors of
@@ -151,9 +152,7 @@ def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predic
     from thunder_fsdp_mem.analysis.step import Stage
     from thunder_fsdp_mem.report import build_report
 
-    options, step = predicted_step
-    if options["mode"] != "jit":
-        pytest.skip("the one-device step on CPU is the one whose peak is AdamW's single-tensor step")
+    _, step = predicted_step
     assert step.peak_stage is Stage.OPTIMIZER
     held = 3 * 50304 * 128 * 2
     others = max(p.peak_bytes for p in step.phases if p.stage is not Stage.OPTIMIZER)
