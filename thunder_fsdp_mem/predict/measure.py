@@ -64,8 +64,8 @@ class Measurement:
     """One rank's recorded step. ``peak_bytes``: the peak of the forward and backward, what the prediction covers;
     ``step_peak_bytes``: with the optimizer step, what ``benchmarks/compare.py`` measures. ``after_probes_bytes``:
     the peak after the last probe until the optimizer step (the end of the backward); ``optimizer_peak_bytes``:
-    from there to the end of the step (the optimizer's step). ``snapshot``: the CUDA
-    allocator's ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
+    from there to the end of the step (the optimizer's step). ``snapshot``: the CUDA allocator's
+    ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
 
     rank: int
     world_size: int
