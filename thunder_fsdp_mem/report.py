@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.cost import H200
-from thunder_fsdp_mem.analysis.step import Stage, StepMemory
+from thunder_fsdp_mem.analysis.step import Stage, StepMemory, Timeline
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.predict.fit import StepFit
@@ -495,8 +495,8 @@ def plot_figure(report: Report):
     axis = phase_axis([p.step for p in report.plans])
     unit, size = unit_of(max(p.step.peak_bytes for p in report.plans))
     fig, (ax, stacked) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for n, (plan, xs) in enumerate(zip(report.plans, axis.xs)):
-        points = plan.step.timeline().points
+    for n, (plan, xs, timeline) in enumerate(zip(report.plans, axis.xs, axis.timelines)):
+        points = timeline.points
         line, = ax.plot(xs, [b / size for b in points], label=plan.label, linewidth=1)
         top = max(range(len(points)), key=points.__getitem__)
         right = xs[top] > 0.6 * axis.width  # the label to the left of a peak near the right edge
@@ -510,7 +510,7 @@ def plot_figure(report: Report):
                  f"({100 * m.error:+.2f}% predicted)")
         ax.scatter([xs[pos] for pos, _, _ in m.points], [b / size for _, b, _ in m.points], s=2, color="black",
                    linewidths=0, label=label, zorder=3)
-    shown = report.shown.step.timeline()
+    shown = axis.timelines[-1]
     series = [(c.value, [b / size for b in values]) for c, values in shown.categories if any(values)]
     stacked.stackplot(axis.xs[-1], *(values for _, values in series), labels=[name for name, _ in series],
                       linewidth=0)
@@ -541,8 +541,9 @@ class PhaseAxis:
     symbols (a phase without a trace, or with few, as wide as a fiftieth of the step), its points spread evenly
     over it. ``xs``: each step's points' positions; ``bands``: (stage, start, end) for each run of phases of one
     stage; ``traces``: where each phase with a trace starts; ``width``: the axis's end. Steps whose phases differ
-    are each spread over the whole axis."""
+    are each spread over the whole axis. ``timelines``: each step's ``StepMemory.timeline()``, made once."""
 
+    timelines: tuple[Timeline, ...]
     xs: tuple[tuple[float, ...], ...]
     bands: tuple[tuple[str, float, float], ...]
     traces: tuple[float, ...]
@@ -550,7 +551,7 @@ class PhaseAxis:
 
 
 def phase_axis(steps: list[StepMemory]) -> PhaseAxis:
-    timelines = [s.timeline() for s in steps]
+    timelines = tuple(s.timeline() for s in steps)
     counts = [[b - a for a, b in zip(t.starts, (*t.starts[1:], len(t.points)))] for t in timelines]
     phases = steps[-1].phases
     if any([(p.stage, p.name) for p in s.phases] != [(p.stage, p.name) for p in phases] for s in steps):
@@ -566,7 +567,7 @@ def phase_axis(steps: list[StepMemory]) -> PhaseAxis:
     xs = tuple(tuple(edges[k] + (j + 0.5) * widths[k] / c for k, c in enumerate(per) for j in range(c))
                for per in counts)
     if len(widths) != len(phases):
-        return PhaseAxis(xs, (), (), edges[-1])
+        return PhaseAxis(timelines, xs, (), (), edges[-1])
     bands: list[tuple[str, float, float]] = []
     for k, phase in enumerate(phases):
         if bands and bands[-1][0] == phase.stage.value:
@@ -574,7 +575,7 @@ def phase_axis(steps: list[StepMemory]) -> PhaseAxis:
         else:
             bands.append((phase.stage.value, edges[k], edges[k + 1]))
     traces = tuple(edges[k] for k, p in enumerate(phases) if p.timeline is not None and k > 0)
-    return PhaseAxis(xs, tuple(bands), traces, edges[-1])
+    return PhaseAxis(timelines, xs, tuple(bands), traces, edges[-1])
 
 
 def _short(source: str | None) -> str:
