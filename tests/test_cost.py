@@ -9,6 +9,7 @@ import thunder.torch as ltorch
 import torch
 from thunder.executors.sdpaex import sdpea_gradfwd, sdpfa_gradfwd
 
+from thunder_fsdp_mem.training.cudnn_attention import cudnn_forward
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_flops, op_seconds, op_traffic
 
 RATES = DeviceRates(name="test", matmul_flops=MappingProxyType({"bf16": 1e12, "f32": 1e11}), bandwidth=1e11)
@@ -37,6 +38,8 @@ def test_causal_attention_is_half_the_full_matrix():
     efficient = _bsym(lambda a, b, c: sdpea_gradfwd(a, b, c, None, 0.0, False), q, k, v,
                       name="sdpaex_grad_forward_scaled_dot_product_efficient_attention")
     assert op_flops(efficient) == (4 * 4 * 256 * 256 * 32, "bf16")
+    cudnn = _bsym(lambda a, b, c: cudnn_forward(a, b, c, 0.0, True, None), q, k, v, name="cudnn_sdpa_forward")
+    assert op_flops(cudnn) == op_flops(flash)
 
 
 def test_views_cost_nothing_and_elementwise_ops_their_traffic():

@@ -140,18 +140,24 @@ def test_a_rewrite_that_reads_a_deleted_tensor_fails_the_check(traces):
 def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_dropout():
     from thunder.executors.sdpaex import sdpfa_gradfwd
 
+    from thunder_fsdp_mem.training.cudnn_attention import cudnn_forward
+
     q = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
 
-    def attention(p):
-        trace = thunder.trace()(lambda a, b, c: sdpfa_gradfwd(a, b, c, p, True), q, q, q)
-        return next(b for b in trace.bound_symbols if "attention" in b.sym.name)
+    def attention(p, kernel=sdpfa_gradfwd):
+        trace = thunder.trace()(lambda a, b, c: kernel(a, b, c, p, True), q, q, q)
+        return next(b for b in trace.bound_symbols if "attention" in b.sym.name or "sdpa" in b.sym.name)
 
     x, w = torch.randn(4, 8), torch.randn(16, 8)
     linear = next(b for b in thunder.trace()(lambda a, b: ltorch.linear(a, b), x, w).bound_symbols
                   if b.sym.name == "linear")
-    for dear in (linear, attention(0.0)):
+    def cudnn(a, b, c, p, causal):
+        return cudnn_forward(a, b, c, p, causal, None)
+
+    for dear in (linear, attention(0.0), attention(0.0, cudnn)):
         assert recompute.priced(dear) and not recompute.recomputable(dear)
     assert not recompute.priced(attention(0.1))  # its random mask would differ in backward
+    assert not recompute.priced(attention(0.1, cudnn))
 
 
 def two_blocks(x, w1, w2):

@@ -5,7 +5,8 @@ recompute by this time per byte of peak removed.
 Entry point: ``op_seconds(bsym, rates=H200) -> float``.
 
 - ``matmul`` / ``linear``: 2 x M x N x K floating-point operations at the tensor cores' rate for the dtype;
-- the attention kernels of Thunder's sdpa executor (flash and memory-efficient): 4 x B x H x Tq x Tk x D
+- the attention kernels of Thunder's sdpa executor (flash and memory-efficient) and of torch's cuDNN attention
+  (``training.cudnn_attention``): 4 x B x H x Tq x Tk x D
   operations, half of it under a causal mask;
 - a fusion region: the arithmetic of the matmuls and attention among its subsymbols, and the traffic of its own
   inputs and outputs (what a fused kernel reads and writes);
@@ -30,10 +31,12 @@ from thunder_fsdp_mem.analysis.symbols import (
 MATMULS = frozenset({"matmul", "linear"})
 # Thunder's sdpa executor's forwards, by name, with the positions of their dropout and causal arguments: the
 # memory-efficient kernel's (query, key, value, attn_mask, dropout_p, is_causal, scale), and the flash kernel's,
-# which Thunder names ``sdpafx_..._efficient_attention`` too: (query, key, value, dropout_p, is_causal).
+# which Thunder names ``sdpafx_..._efficient_attention`` too: (query, key, value, dropout_p, is_causal); and the
+# cuDNN kernel's of ``training.cudnn_attention`` (query, key, value, dropout_p, is_causal, scale).
 _ATTENTION_OPTIONS = {
     "sdpaex_grad_forward_scaled_dot_product_efficient_attention": (4, 5),
     "sdpafx_grad_forward_scaled_dot_product_efficient_attention": (3, 4),
+    "cudnn_sdpa_forward": (3, 4),
 }
 ATTENTION = frozenset(_ATTENTION_OPTIONS)
 _NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}

@@ -63,7 +63,7 @@ UNPACK_IDS = frozenset(
     }
 )
 # Executors whose symbols follow torch's semantics op by op.
-KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "cudnn", "fa3", "custom_op"})
+KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "sdpa_cudnn", "cudnn", "fa3", "custom_op"})
 
 # Thunder prims that are views, by the name of the torch-executor op with the same semantics.
 _PRIM_VIEWS = {

@@ -8,7 +8,9 @@ on CUDA or CPU, over fake ranks. The floor below the step's emulation (``emulate
   claims the op only for flash or memory-efficient attention. On the meta device there is no CUDA to ask, and
   the op would be decomposed into a T x T matrix that the GPU never allocates. For ``cuda`` the answer is the one
   torch gives on an H100 or H200 for litgpt's causal attention: flash for 16-bit inputs, memory-efficient for
-  float32. For ``cpu`` it is the math kernel, which the executor does not claim, as on a CPU.
+  float32. For ``cpu`` it is the math kernel, which the executor does not claim, as on a CPU. ``fused``'s cuDNN
+  attention (``training.cudnn_attention``) claims, for ``cuda``, what its shape and dtype rule allows (torch agrees
+  on an H200 for litgpt's causal 16-bit attention), and nothing for ``cpu``.
 - ``executors_as_on(device_type, executors)``: Thunder's torch.compile executors run their regions eagerly on
   meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the device; inductor
   cannot compile for meta). Those that claim CUDA tensors only (``default+cat``'s rotary ``cat`` region) claim
@@ -27,6 +29,7 @@ import torch
 
 from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
 from thunder_fsdp_mem.passes import casts
+from thunder_fsdp_mem.training import cudnn_attention
 
 
 @contextmanager
@@ -95,7 +98,8 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
 
 @contextmanager
 def attention_as_on(device_type: str) -> Iterator[None]:
-    """Thunder's sdpa executor chooses its kernel as it would on ``device_type`` (see the module's docstring)."""
+    """Thunder's sdpa executor and ``cudnn_attention`` choose their kernels as they would on ``device_type`` (see the
+    module's docstring)."""
     import thunder.executors.sdpaex as sdpaex
 
     if device_type not in DEVICE_TYPES:
@@ -107,12 +111,15 @@ def attention_as_on(device_type: str) -> Iterator[None]:
             return Backend.MATH
         return Backend.FLASH_ATTENTION if query.dtype.bytes == 2 else Backend.MEMORY_EFFICIENT
 
-    original = sdpaex._fused_sdp_choice
-    sdpaex._fused_sdp_choice = choice
+    def cudnn_choice(query, key, value, attn_mask, dropout_p, is_causal, scale):
+        return device_type == "cuda" and cudnn_attention.rule(query, key, value, attn_mask, dropout_p)
+
+    original, original_cudnn = sdpaex._fused_sdp_choice, cudnn_attention.choose
+    sdpaex._fused_sdp_choice, cudnn_attention.choose = choice, cudnn_choice
     try:
         yield
     finally:
-        sdpaex._fused_sdp_choice = original
+        sdpaex._fused_sdp_choice, cudnn_attention.choose = original, original_cudnn
 
 
 @contextmanager

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from thunder_fsdp_mem.training.cudnn_attention import cudnn_attention_ex
+
 EXECUTOR_CHOICES = ("default", "default+cat", "fused")
 SHARDS = ("zero2", "zero3")
 
@@ -67,7 +69,8 @@ def executors(choice: str) -> list:
     - ``default``: Thunder's defaults (nvFuser among them when a matching build is installed);
     - ``default+cat``: the defaults with a torch.compile executor for rotary's ``cat`` first (the seed's
       ``thunder_inductor_cat``; it claims CUDA tensors only);
-    - ``fused``: Thunder's strongest configuration: its attention executors (cuDNN's where installed, sdpa), then
+    - ``fused``: Thunder's strongest configuration: attention through torch's cuDNN kernels where torch would run
+      them (``cudnn_attention``), then Thunder's attention executors (cuDNN's where installed, sdpa), then
       one fusion executor for the rest (nvFuser where a matching build is installed, else Thunder's torch.compile
       executor without the distributed prims, ``_compile_executor``), then the other defaults without
       ``torchcompile_xentropy`` (the fusion executor fuses the loss too).
@@ -89,7 +92,7 @@ def executors(choice: str) -> list:
         from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
         fusion = thunder.nvfuser_executor or _compile_executor()
-        attention = [ex for ex in chosen if ex.name in ("cudnn", "sdpa")]
+        attention = [cudnn_attention_ex, *(ex for ex in chosen if ex.name in ("cudnn", "sdpa"))]
         rest = [ex for ex in chosen if ex not in (*attention, fusion, torch_compile_xentropy_ex)]
         chosen = [*attention, fusion, *rest]
     return chosen
