@@ -11,7 +11,8 @@ and a matrix of them, printed as a Markdown table (and written with ``--out``):
     python benchmarks/accuracy.py --matrix --device cuda --n-layers 4 32 --block-size 4096 8192 \\
         --modes jit fsdp-zero2 fsdp-zero3 --nproc-per-node 2 --out docs/accuracy-gpu.md
 
-Measured: ``torch.cuda.max_memory_allocated()`` on GPU, MemTracker's peak on CPU, over one forward and backward
+Measured: ``torch.cuda.max_memory_allocated()`` on GPU, the profiler's live bytes on CPU (``CPUMemory``, as
+``report --measure``), over one forward and backward
 after warm-up (gradients set to None between steps, no optimizer), maximum over ranks. Estimated:
 ``estimate_step(jitted).peak_bytes``; beside it Thunder's own ``get_alloc_memory`` (the larger of its forward and
 backward figures).
@@ -106,17 +107,16 @@ def run_one(args) -> dict:
         measured = torch.cuda.max_memory_allocated()
         for p in params:
             p.grad = None
-    else:
-        from torch.distributed._tools.mem_tracker import MemTracker
+    else:  # the profiler's live bytes: MemTracker's dispatch mode would have Dynamo run torch.compile's regions
+        # as other programs (``--executors fused``); ``CPUMemory`` sees what the compiled regions allocate
+        from thunder_fsdp_mem.predict.cpu_memory import CPUMemory
 
-        mt = MemTracker()
-        mt.track_external(jitted, idx, targets)
         before = sum(p.untyped_storage().nbytes() for p in params) + idx.nbytes + targets.nbytes
         t1 = time.perf_counter()
-        with mt:
+        with CPUMemory(jitted, idx, targets) as memory:
             jitted(idx, targets).backward()
         step_ms = (time.perf_counter() - t1) * 1e3
-        measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        measured = memory.peak_bytes
     estimate = estimate_step(jitted)
     forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
     thunder_estimate = max(get_alloc_memory(forward)[0], get_alloc_memory(backward)[0])

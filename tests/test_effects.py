@@ -74,3 +74,40 @@ def test_a_softmax_in_another_dtype_converts_its_input():
 def test_del_return_and_unpack_are_not_compute():
     kinds = [e.kind for _, e in _effects(lambda t: ltorch.exp(t), torch.randn(3))]
     assert kinds == [Kind.UNPACK, Kind.COMPUTE, Kind.RETURN]
+
+
+def _gelu_chain(x, w1, w2):
+    h = x @ w1
+    return torch.nn.functional.gelu(h) @ w2
+
+
+def _two_readers(x, w1, w2, w3):
+    h = x @ w1  # read by the gelu and by the second matmul: alive beside the gelu's output
+    return (torch.nn.functional.gelu(h) @ w2) * torch.tanh(h @ w3)
+
+
+def test_a_fused_region_holds_its_matmuls_buffers_as_the_compiled_region_does():
+    # One torch.compile region on the CPU (``fused``); its matmuls' results and computed operands are buffers that
+    # it frees inside, which the region's outputs do not show. The estimate of the whole trace equals the live
+    # bytes measured while the compiled region runs (without the workspace it would be 1 MiB and more under).
+    from thunder_fsdp_mem.analysis.liveness import analyze
+    from thunder_fsdp_mem.analysis.symbols import is_fusion
+    from thunder_fsdp_mem.predict.cpu_memory import CPUMemory
+    from thunder_fsdp_mem.training import runtime
+
+    torch.manual_seed(0)
+    m, k, n, p = 512, 64, 1024, 32
+    x, w1 = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    w2, w3 = torch.randn(n, p, dtype=torch.bfloat16), torch.randn(n, p, dtype=torch.bfloat16)
+    for fn, args in ((_gelu_chain, (x, w1, w2)), (_two_readers, (x, w1, w2, w3))):
+        jitted = thunder.jit(fn, executors=runtime.executors("fused"))
+        jitted(*args)
+        trace = thunder.last_traces(jitted)[-1]
+        region = next(b for b in trace.bound_symbols if is_fusion(b))
+        shapes = {a.name: shape(a) for a in region.flat_proxy_args if hasattr(a, "shape")}
+        effect = classify(region, lambda name: layout.contiguous_strides(shapes[name]))
+        assert effect.workspace >= m * n * 2  # at least the gelu's bf16 output, an operand of the second matmul
+        with CPUMemory(*args) as memory:
+            out = jitted(*args)
+            del out
+        assert analyze(trace).peak_bytes == memory.peak_bytes, fn.__name__

@@ -14,10 +14,11 @@ Entry point: ``classify(bsym, strides_of) -> Effect``. Rules, by ``symbols.sym_i
   ``symbols.KNOWN_EXECUTORS`` are marked unknown.
 
 Workspace is modelled where an op materialises tensors it does not return: ``matmul``/``linear`` copying an
-operand that cannot be viewed as the batched or folded shape, and ``softmax``/``log_softmax`` converting their
-input to another dtype. (Thunder 0.2.7 shows the rest in the trace: on CPU it decomposes SDPA into ``matmul`` and
-``softmax``, and ``cross_entropy`` into ``log_softmax`` and ``nll_loss``; on CUDA its sdpa executor calls the
-memory-efficient or flash kernels, whose outputs it lists.)
+operand that cannot be viewed as the batched or folded shape, ``softmax``/``log_softmax`` converting their input
+to another dtype, and a fusion region's matmul results and computed operands (``_region_workspace``). (Thunder
+0.2.7 shows the rest in the trace: on CPU it decomposes SDPA into ``matmul`` and ``softmax``, and
+``cross_entropy`` into ``log_softmax`` and ``nll_loss``; on CUDA its sdpa executor calls the memory-efficient or
+flash kernels, whose outputs it lists.)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_fsdp_mem.analysis import layout
 from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
     ALL_GATHER, ALL_REDUCE, CLEAR, COLLECTIVES, ELEMENTWISE_OPS, KNOWN_EXECUTORS, PACKS, REDUCE_SCATTER, RESHAPE_OPS,
     UNPACK_IDS, VIEW_OPS, WAITS, TensorLike, is_fusion, nbytes, shape, sym_id, tensor_args, tensor_outputs,
@@ -203,7 +205,7 @@ def _collective(bsym, sid: str, first: TensorLike | None, outs: Sequence[TensorL
 def _fusion(bsym, outs: Sequence[TensorLike], strides_of: StridesOf) -> Effect:
     """A fusion region allocates each output, except outputs that its subsymbols reach from one of the region's
     inputs through views alone (they alias that input) and outputs that are views of one internal buffer (they
-    share one allocation of that buffer's size)."""
+    share one allocation of that buffer's size). Its workspace is what ``_region_workspace`` finds."""
     inputs = {a.name for a in tensor_args(bsym)}
     strides = {name: strides_of(name) for name in inputs}
     root = {name: name for name in inputs}
@@ -221,7 +223,47 @@ def _fusion(bsym, outs: Sequence[TensorLike], strides_of: StridesOf) -> Effect:
         else:
             first_of_root[r] = o.name
             outputs.append(Output(o, None, st, nbytes=max(size.get(r, 0), nbytes(o))))
-    return Effect(Kind.COMPUTE, tuple(outputs))
+    allocated = {root.get(o.proxy.name, o.proxy.name): o.nbytes or nbytes(o.proxy) for o in outputs if o.base is None}
+    return Effect(Kind.COMPUTE, tuple(outputs), _region_workspace(bsym.subsymbols, inputs, root, size, allocated))
+
+
+def _region_workspace(subsymbols, inputs: set[str], root: dict, size: dict, allocated: dict[str, int]) -> int:
+    """Bytes a fusion region holds while it runs beyond its outputs: the buffers its compiled program materializes
+    and frees inside. A fusing compiler (Inductor, nvFuser) keeps chains of elementwise ops and reductions in
+    registers, but a matmul is a kernel of its own: its result and each operand the region computes are buffers
+    in memory, from the subsymbol that makes them to the last one that reads them (or a view of them). Outputs
+    count from the subsymbol that makes them. The workspace is the most those buffers and the outputs made so far
+    hold at one subsymbol, less all the outputs (which the region's effect counts already)."""
+    made: dict[str, int] = {}
+    born: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, sub in enumerate(subsymbols):
+        materialized = sym_id(sub) in MATMULS
+        for a in tensor_args(sub):
+            r = root.get(a.name, a.name)
+            last[r] = i
+            if materialized and r not in inputs:
+                born.setdefault(r, made.get(r, i))
+        for out in tensor_outputs(sub):
+            r = root.get(out.name, out.name)
+            made.setdefault(r, i)
+            if r in allocated or (materialized and r == out.name):
+                born.setdefault(r, i)
+    internal = {r: b for r, b in born.items() if r not in allocated}
+    if not internal:
+        return 0
+    change = [0] * (len(subsymbols) + 1)  # bytes made (+) and freed (-) at each subsymbol
+    for r, n in allocated.items():
+        change[born.get(r, 0)] += n
+    for r, b in internal.items():
+        d = last.get(r, b)
+        change[b] += size.get(r, 0)
+        change[d + 1 if sym_id(subsymbols[d]) in MATMULS else d] -= size.get(r, 0)
+    held = most = 0
+    for delta in change:
+        held += delta
+        most = max(most, held)
+    return max(0, most - sum(allocated.values()))
 
 
 def _trace_views(bsyms, strides: dict, root: dict, size: dict) -> None:

@@ -1,2 +1,3 @@
 """The training set-ups the CLI, the benchmarks and the tests share: litgpt models with their loss (``models``),
-process groups, devices and executors (``runtime``), and the FSDP modes compared (``modes``)."""
+process groups, devices and executors (``runtime``; attention on torch's cuDNN kernels, ``cudnn_attention``), and
+the FSDP modes compared (``modes``)."""
