@@ -41,12 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     families: dict[str, list[dict]] = {}
     for r in ok:
         families.setdefault(family(r["mode"]), []).append(r)
+    span_x = (max(r["step_ms"] for r in ok) - min(r["step_ms"] for r in ok)) or 1.0
+    span_y = max(r["peak_bytes"] for r in ok) / 2**30 or 1.0
+    placed: list[tuple[float, float]] = []
     for name, rows in families.items():
         rows.sort(key=lambda r: r["peak_bytes"])
         ax.plot([r["step_ms"] for r in rows], [r["peak_bytes"] / 2**30 for r in rows], marker="o", label=name)
         for r in rows:
-            ax.annotate(r["mode"], (r["step_ms"], r["peak_bytes"] / 2**30), textcoords="offset points",
-                        xytext=(4, 3), fontsize=6)
+            x, y = r["step_ms"], r["peak_bytes"] / 2**30
+            # a label near one already placed goes below its point, so that the two do not overlap
+            near = any(abs(x - px) / span_x < 0.12 and abs(y - py) / span_y < 0.03 for px, py in placed)
+            placed.append((x, y))
+            ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, -9 if near else 3), fontsize=6)
     c = data["config"]
     ax.set_title(f"{c['model']}, {c['n_layers']} layers, {c['block_size']} tokens, {c['nproc_per_node']} rank(s)",
                  fontsize=9)
