@@ -302,12 +302,14 @@ def _row(mode: str, *, status: str, **fields) -> dict:
 def _merge(mode: str, ranks: list[dict]) -> dict:
     """One row from every rank's: the maximum over ranks; a failure on any rank is the row's status."""
     def worst(key):
-        values = [r[key] for r in ranks if r[key] is not None]
+        values = [r[key] for r in ranks if r.get(key) is not None]
         return max(values) if values else None
 
     bad = [r["status"] for r in ranks if r["status"] != "ok"]
-    if bad:  # what it would have needed, where the traces tell
-        return _row(mode, status="OOM" if "OOM" in bad else bad[0], estimated_peak_bytes=worst("estimated_peak_bytes"))
+    if bad:  # what it would have needed, where the traces tell, and what the device held when it ran out
+        oom = {k: worst(k) for k in ("allocated_at_oom_bytes", "reserved_at_oom_bytes") if any(k in r for r in ranks)}
+        return _row(mode, status="OOM" if "OOM" in bad else bad[0], estimated_peak_bytes=worst("estimated_peak_bytes"),
+                    **oom)
 
     return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
                 alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
@@ -370,6 +372,7 @@ def main(argv=None) -> int:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "turn_lock", "json", "plot", "jobs")}
+    config["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # the workers inherit it
 
     def save(rows):
         if args.json:
@@ -487,6 +490,9 @@ def _failures_as_status(result: dict):
         yield
     except torch.OutOfMemoryError:
         result["status"] = "OOM"
+        if torch.cuda.is_available():  # the most allocated and reserved before the failing request
+            result["allocated_at_oom_bytes"] = torch.cuda.max_memory_allocated()
+            result["reserved_at_oom_bytes"] = torch.cuda.max_memory_reserved()
     except Exception as e:  # noqa: BLE001
         result["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 

@@ -152,3 +152,18 @@ def test_a_mode_past_its_timeout_ends_with_its_ranks():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fsdp2-eager | timeout after 1 s |" in proc.stdout
 
+
+
+def test_an_oom_row_keeps_the_most_any_rank_held():
+    # What each rank's worker reports when it runs out on CUDA (CPU ranks have no such figures): the row keeps the
+    # largest, as the other figures of a row are the maximum over ranks.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare
+
+    oom = {"status": "OOM", "estimated_peak_bytes": 70, "allocated_at_oom_bytes": 75, "reserved_at_oom_bytes": 80}
+    waiting = {"status": "error: the collective's peer exited", "estimated_peak_bytes": 70,
+               "allocated_at_oom_bytes": None}
+    row = compare._merge("thunder+mem", [waiting, oom])
+    assert (row["status"], row["allocated_at_oom_bytes"], row["reserved_at_oom_bytes"]) == ("OOM", 75, 80)
+    cpu = {"status": "OOM", "estimated_peak_bytes": 70}
+    assert "allocated_at_oom_bytes" not in compare._merge("thunder", [cpu, cpu])
