@@ -15,9 +15,9 @@ from thunder_fsdp_mem.training import cudnn_attention, models, runtime
 from thunder_fsdp_mem.predict.emulate import trace_step
 
 
-def _proxies(*shapes, dtype=dtypes.bfloat16):
+def _proxies(*shapes, dtype=dtypes.bfloat16, device="cuda:0"):
     with tracectx(TraceCtx()):
-        return [TensorProxy(shape=s, dtype=dtype, device=devices.Device("cuda:0")) for s in shapes]
+        return [TensorProxy(shape=s, dtype=dtype, device=devices.Device(device)) for s in shapes]
 
 
 @pytest.mark.parametrize("case, shapes, dtype, mask, dropout, takes", [
@@ -63,3 +63,17 @@ def test_a_cuda_prediction_saves_and_peaks_as_with_the_flash_kernel(monkeypatch)
     assert with_flash.forward.final_bytes - with_cudnn.forward.final_bytes == small
     assert with_flash.forward.timeline[0] == with_cudnn.forward.timeline[0]
     assert with_flash.backward.peak_bytes - with_cudnn.backward.peak_bytes in (0, small)
+
+
+def test_it_claims_cuda_calls_that_torch_agrees_to_and_steps_aside_for_deterministic_algorithms(monkeypatch):
+    q, k, v = _proxies(*[(1, 4, 16, 64)] * 3)
+    assert not cudnn_attention.choose(q, k, v, None, 0.0, True, None)  # no CUDA here: torch does not agree
+    monkeypatch.setattr(cudnn_attention, "torch_agrees", lambda *args, **kwargs: True)
+    assert cudnn_attention.choose(q, k, v, None, 0.0, True, None)
+    assert not cudnn_attention.choose(q, k, v, None, 0.1, True, None)  # the rule still applies
+    assert not cudnn_attention.choose(*_proxies(*[(1, 4, 16, 64)] * 3, device="cpu"), None, 0.0, True, None)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not cudnn_attention.choose(q, k, v, None, 0.0, True, None)
+    finally:
+        torch.use_deterministic_algorithms(False)
