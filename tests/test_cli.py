@@ -37,6 +37,9 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["report", "--fit", "0"], "--fit must be more than 0 bytes"),
         (["report", "--fit", "lots"], "--fit: cannot read 'lots' as a size"),
         (["report", "--fit", "80GB", "--memory-budget", "60GB"], "drop --memory-budget"),
+        (["report", "--memory-cap", "lots"], "--memory-cap: cannot read 'lots' as a size"),
+        (["report", "--device", "cpu", "--memory-cap", "80GB"], "--memory-cap limits CUDA's caching allocator"),
+        (["report", "--fit", "80GB", "--memory-cap", "80GB"], "drop --memory-cap"),
         (["frobnicate"], "invalid choice"),
     ],
 )
@@ -193,3 +196,20 @@ def test_piped_stderr_shows_progress_lines_and_no_import_noise():
     assert "thunder-fsdp-mem: tracing 1 layer on the meta device: 1/1 done" in proc.stderr
     assert "transformer_engine" not in proc.stderr and "No CUDA runtime" not in proc.stderr
 
+
+
+def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
+    from thunder_fsdp_mem.reserved import rounded
+
+    out = tmp_path / "r.json"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "64", "--mode", "jit",
+                 "--memory-cap", "1GB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    reserved = data["plans"][0]["reserved"]
+    assert data["memory_cap_bytes"] == data["settings"]["memory_cap_bytes"] == 10**9
+    # blocks of at least 512 bytes, segments of at least 2 MiB: more than the estimate, less than the cap
+    assert rounded(data["peak_bytes"]) <= reserved["peak_allocated_bytes"] <= reserved["peak_reserved_bytes"] < 10**9
+    assert reserved["out_of_memory_bytes"] is None
+    assert "Under a cap of 953.67 MiB per rank, estimate: fits, reserving at most" in text
+    assert "reserved (caching allocator, modelled)" in text

@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--executors", choices=EXECUTOR_CHOICES, default="default+cat",
                         help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
                              "benchmarks/compare.py (default default+cat)")
+    report.add_argument("--memory-cap", metavar="SIZE", default=None,
+                        help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
+                             "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
+                             "caching allocator over the step and says whether it runs out under it (--device cuda)")
     report.add_argument("--memory-budget", metavar="SIZE", default=None,
                         help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
                              "recomputes matmuls and attention in backward where it must; shows what, and the "
@@ -109,10 +113,15 @@ def _validate(args) -> None:
             raise _UsageError("--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
                               "block's share of the budget comes from the prediction: benchmarks/compare.py "
                               "--modes fsdp2-thunder+mem@budget=SIZE measures it")
+    if args.memory_cap is not None:
+        args.memory_cap = _size(args.memory_cap, "--memory-cap")
+        if args.device != "cuda":
+            raise _UsageError("--memory-cap limits CUDA's caching allocator: it needs --device cuda")
     if args.fit is not None:
         args.fit = _size(args.fit, "--fit")
         clashing = [o for o, on in (("--measure", args.measure), ("--memory-budget", args.memory_budget is not None),
-                                    ("--snapshot", args.snapshot), ("--plot", args.plot)) if on]
+                                    ("--snapshot", args.snapshot), ("--plot", args.plot),
+                                    ("--memory-cap", args.memory_cap is not None)) if on]
         if clashing:
             raise _UsageError(f"--fit searches many steps and shows no single one: drop {', '.join(clashing)}")
     if args.measure:
@@ -260,7 +269,8 @@ def _report(args) -> int:
         comparison = compare(steps[-1], measured)
     report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
                           measured=comparison, rewrites=tuple(transform.rewrites) if transform else (),
-                          budget=args.memory_budget, settings=_settings(args, n_layers))
+                          budget=args.memory_budget, settings=_settings(args, n_layers),
+                          caching=args.device == "cuda", memory_cap=args.memory_cap)
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     try:
@@ -324,7 +334,7 @@ def _settings(args, n_layers: int) -> dict[str, object]:
             "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "mode": args.mode, "shard": args.shard,
             "world_size": args.world_size, "device": args.device, "executors": args.executors,
             "transform": args.transform, "memory_budget_bytes": args.memory_budget, "measured": args.measure,
-            "fit_bytes": args.fit}
+            "fit_bytes": args.fit, "memory_cap_bytes": args.memory_cap}
 
 
 def _write_snapshots(path: str, steps, measured) -> None:

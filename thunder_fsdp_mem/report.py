@@ -23,6 +23,7 @@ from thunder_fsdp_mem.analysis.step import Stage, StepMemory, Timeline
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.predict.fit import StepFit
+from thunder_fsdp_mem.reserved import Reserved, replay_step
 from thunder_fsdp_mem.units import format_bytes, unit_of
 
 
@@ -55,6 +56,7 @@ class Plan:
     step: StepMemory
     by_category: tuple[tuple[Category, int], ...]
     top: tuple[TopAllocation, ...]
+    reserved: Reserved | None = None  # the caching allocator replayed over the step (CUDA runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class Report:
     advice: tuple[Advice, ...] = ()  # what would lower the shown plan's peak
     settings: tuple[tuple[str, object], ...] = ()  # what the step was made of (model, tokens, mode...), by name
     versions: tuple[tuple[str, str], ...] = ()  # of this package and what it predicts with
+    memory_cap: int | None = None  # the per-rank limit the caching allocator was replayed under
 
     @property
     def shown(self) -> Plan:
@@ -79,16 +82,22 @@ class Report:
 
 def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
                  measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = (),
-                 budget: int | None = None, settings: dict[str, object] | None = None) -> Report:
+                 budget: int | None = None, settings: dict[str, object] | None = None, caching: bool = False,
+                 memory_cap: int | None = None) -> Report:
     """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
     ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``;
-    ``budget``: the per-rank peak it was asked to fit; ``settings``: what the step was made of, by name."""
-    plans = [] if baseline is None else [_plan("without transform", baseline, top)]
+    ``budget``: the per-rank peak it was asked to fit; ``settings``: what the step was made of, by name;
+    ``caching``: replay CUDA's caching allocator over each plan (``reserved.replay_step``), under ``memory_cap``
+    per rank where given."""
+    if memory_cap is not None and not caching:
+        raise ValueError("memory_cap needs caching=True: a cap limits what the CUDA caching allocator reserves")
+    plans = [] if baseline is None else [_plan("without transform", baseline, top, caching, memory_cap)]
     label = "estimate" if baseline is None else ("with transform" if budget is None else
                                                   f"with transform, budget {format_bytes(budget)}")
-    plans.append(_plan(label, step, top))
+    plans.append(_plan(label, step, top, caching, memory_cap))
     return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget,
-                  advice=advice(step), settings=tuple((settings or {}).items()), versions=versions())
+                  advice=advice(step), settings=tuple((settings or {}).items()), versions=versions(),
+                  memory_cap=memory_cap)
 
 
 # distribution -> its module: the module's own ``__version__`` where it is imported (torch's names its CUDA build)
@@ -166,7 +175,7 @@ def _peak_held_by(step: StepMemory, stage: Stage) -> tuple[int, int] | None:
     return held, step.peak_bytes - max(others, phase.peak_bytes - held)
 
 
-def _plan(label: str, step: StepMemory, top: int) -> Plan:
+def _plan(label: str, step: StepMemory, top: int, caching: bool = False, memory_cap: int | None = None) -> Plan:
     by_category: dict[Category, int] = {}
     for a in step.live_at_peak:
         by_category[a.category] = by_category.get(a.category, 0) + a.nbytes
@@ -177,7 +186,8 @@ def _plan(label: str, step: StepMemory, top: int) -> Plan:
     rows = [TopAllocation(pattern_name([a.label for a in g]), g[0].shape, g[0].dtype, g[0].nbytes, g[0].category,
                           g[0].symbol, g[0].source, len(g), g[0].name) for g in groups.values()]
     rows.sort(key=lambda t: -t.total_bytes)
-    return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]))
+    reserved = replay_step(step, cap=memory_cap) if caching else None
+    return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]), reserved)
 
 
 _PROXY = re.compile(r"[a-z]{1,3}\d+")  # a trace's own names (t813, ft2154): their numbers are no layer's
@@ -233,8 +243,14 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     columns = [_summary(p.step) for p in plans]
     for i, (label, key, _) in enumerate(columns[0]):
         summary.add_row(label, *(format_bytes(c[i][2]) for c in columns), style="bold" if key == "peak_bytes" else None)
+    if all(p.reserved is not None for p in plans):
+        summary.add_row("reserved (caching allocator, modelled)", *(_reserved_cell(p.reserved) for p in plans))
     console.print(summary)
     console.print()
+    if report.memory_cap is not None:
+        for line in _cap_lines(report):
+            console.print(line, soft_wrap=True)
+        console.print()
     by_category = _table("at the peak, by category", *(p.label for p in plans))
     for category in dict.fromkeys(c for p in plans for c, _ in p.by_category):
         by_category.add_row(category.value, *(format_bytes(dict(p.by_category).get(category, 0)) for p in plans))
@@ -264,6 +280,35 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         last += f"; measured {format_bytes(m.step_peak_bytes)} ({100 * m.step_error:+.2f}%)"
     console.print(last, style="bold", soft_wrap=True)
     return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip("\n").splitlines())
+
+
+def _reserved_cell(reserved: Reserved) -> str:
+    if reserved.out_of_memory_bytes is not None:
+        return f"out of memory ({format_bytes(reserved.peak_reserved_bytes)} reserved)"
+    return format_bytes(reserved.peak_reserved_bytes)
+
+
+def _cap_lines(report: Report) -> list[str]:
+    """Under ``--memory-cap``: per plan, whether the allocator's replay runs out, and why."""
+    cap = format_bytes(report.memory_cap)
+    lines = []
+    for p in report.plans:
+        r = p.reserved
+        if r.out_of_memory_bytes is None:
+            retried = f", after releasing its cached segments {r.retries} time(s)" if r.retries else ""
+            lines.append(f"Under a cap of {cap} per rank, {p.label}: fits, reserving at most "
+                         f"{format_bytes(r.peak_reserved_bytes)}{retried}.")
+        elif p.step.peak_bytes <= report.memory_cap:
+            peak = format_bytes(p.step.peak_bytes)
+            lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory at a request of "
+                         f"{format_bytes(r.out_of_memory_bytes)}, although its peak ({peak}) is under the cap: no "
+                         "cached block holds the request and a new segment would pass the cap (fragmentation). A "
+                         "lower --memory-budget, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, leaves it "
+                         "room.")
+        else:
+            lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory (its peak, "
+                         f"{format_bytes(p.step.peak_bytes)}, is over the cap).")
+    return lines
 
 
 # The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
@@ -395,6 +440,7 @@ def render_json(report: Report) -> dict:
         "plans": [{"label": p.label, **_plan_json(p), "timeline": _timeline_json(p.step)} for p in report.plans],
         "transform_passes": [{**dataclasses.asdict(r), "outcome": r.outcome.value} for r in report.rewrites],
         "budget_bytes": report.budget,
+        "memory_cap_bytes": report.memory_cap,
         "advice": [{"text": a.text, "saving_bytes": a.saving_bytes} for a in report.advice],
     }
     m = report.measured
@@ -419,6 +465,7 @@ def _plan_json(plan: Plan) -> dict:
         "peak_phase": step.peak_phase,
         "peak_symbol": step.peak_symbol,
         "by_category": {c.value: v for c, v in plan.by_category},
+        "reserved": None if plan.reserved is None else dataclasses.asdict(plan.reserved),
         "top": [
             {"name": t.name, "trace_name": t.trace_name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
              "count": t.count, "total_bytes": t.total_bytes, "category": t.category.value, "symbol": t.symbol,

@@ -49,16 +49,14 @@ class _Block:
 
 def predicted_snapshot(step: StepMemory) -> dict:
     """``step`` as a ``torch.cuda.memory._snapshot()`` dictionary for device 0 (see the module's docstring)."""
-    replay = _events(step)
+    events = replay(step)
     arena = _Arena()
     address: dict[int, int] = {}
-    recorded = {number for action, number in replay.events if action == "alloc"}
-    for number, block in enumerate(replay.blocks):  # alive before the step: placed first
-        if number not in recorded:
-            address[number] = arena.allocate(block.nbytes)
+    for number in events.before_the_step():  # placed first
+        address[number] = arena.allocate(events.blocks[number].nbytes)
     trace = []
-    for action, number in replay.events:
-        block = replay.blocks[number]
+    for action, number in events.events:
+        block = events.blocks[number]
         if action == "alloc":
             address[number] = arena.allocate(block.nbytes)
             trace.append(_entry("alloc", address[number], block))
@@ -71,7 +69,7 @@ def predicted_snapshot(step: StepMemory) -> dict:
     # loading a snapshot whose events have categories but not that one).
     segment_alloc = {"action": "segment_alloc", "addr": BASE_ADDRESS, "size": size, "stream": 0, "frames": [],
                      "category": "unknown"}
-    alive = [(address[b.block], replay.blocks[b.block]) for b in replay.live.values()]
+    alive = [(address[b.block], events.blocks[b.block]) for b in events.live.values()]
     return {"segments": [_segment(size, alive)], "device_traces": [[segment_alloc, *trace]]}
 
 
@@ -107,20 +105,26 @@ def _segment(size: int, alive: list[tuple[int, _Block]]) -> dict:
 @dataclass(slots=True)
 class _Live:
     """A block alive in the replay: the allocation's name and size as the phase that holds it names it, and the
-    block it is (its number in ``_Replay.blocks``)."""
+    block it is (its number in ``Replay.blocks``)."""
 
     name: str
     nbytes: int
     block: int
 
 
-class _Replay:
-    """The events so far and the blocks alive, by the token of the phase that holds them."""
+class Replay:
+    """The events so far and the blocks alive, by the token of the phase that holds them. ``blocks``: every
+    allocation of the step, by number; ``events``: ``("alloc" | "free", number)`` in step order."""
 
     def __init__(self) -> None:
         self.live: dict[Hashable, _Live] = {}
         self.blocks: list[_Block] = []  # by number
         self.events: list[tuple[str, int]] = []  # ("alloc" | "free", block)
+
+    def before_the_step(self) -> list[int]:
+        """The blocks alive before the step begins (no ``alloc`` event), in order."""
+        recorded = {number for action, number in self.events if action == "alloc"}
+        return [number for number in range(len(self.blocks)) if number not in recorded]
 
     def allocate(self, token: Hashable, a: Allocation | None, phase: Phase, *, nbytes: int | None = None,
                  frames: tuple[dict, ...] | None = None, recorded: bool = True) -> None:
@@ -137,28 +141,29 @@ class _Replay:
         return gone.nbytes
 
 
-def _events(step: StepMemory) -> _Replay:
-    replay = _Replay()
+def replay(step: StepMemory) -> Replay:
+    """The step's allocations and frees in order (see the module's docstring)."""
+    events = Replay()
     for k, phase in enumerate(step.phases):
         held = [(("held", id(a)), a) for a in phase.outside]
         inputs = [] if phase.timeline is None else [
             (("trace", k, j), a) for j, a in enumerate(phase.timeline.allocations) if a.symbol == "input"]
         counted = {("held", id(a)) for a in phase.inside}
-        carried, new = _carry(replay.live, [*held, *inputs], counted)
-        for token in [t for t in replay.live if t not in carried]:
-            replay.free(token)
-        replay.live = {carried[t]: block for t, block in replay.live.items()}
+        carried, new = _carry(events.live, [*held, *inputs], counted)
+        for token in [t for t in events.live if t not in carried]:
+            events.free(token)
+        events.live = {carried[t]: block for t, block in events.live.items()}
         lent = {carried[t]: t for t in counted if t in carried}  # the holdings' blocks the trace counts
         for token, a in new:
-            replay.allocate(token, a, phase, recorded=k > 0 or a.category not in BEFORE_THE_STEP)
+            events.allocate(token, a, phase, recorded=k > 0 or a.category not in BEFORE_THE_STEP)
         for j, a in enumerate(phase.extra):
-            replay.allocate(("extra", k, j), a, phase)
+            events.allocate(("extra", k, j), a, phase)
         if phase.timeline is not None:
-            _trace_events(k, phase, replay)
-        replay.live = {lent.get(t, t): block for t, block in replay.live.items()}  # back to their holders
-    for token in [t for t in replay.live if t[0] == "extra"]:  # the last phase's own memory ends with the step
-        replay.free(token)
-    return replay
+            _trace_events(k, phase, events)
+        events.live = {lent.get(t, t): block for t, block in events.live.items()}  # back to their holders
+    for token in [t for t in events.live if t[0] == "extra"]:  # the last phase's own memory ends with the step
+        events.free(token)
+    return events
 
 
 def _carry(live: dict[Hashable, _Live], wanted: list[tuple[Hashable, Allocation]], counted: set[Hashable]
@@ -197,25 +202,25 @@ def _carry(live: dict[Hashable, _Live], wanted: list[tuple[Hashable, Allocation]
     return carried, new
 
 
-def _trace_events(k: int, phase: Phase, replay: _Replay) -> None:
+def _trace_events(k: int, phase: Phase, events: Replay) -> None:
     """A trace's symbols in order (``MemoryTimeline.ops``): outputs allocated, the workspace allocated and freed,
     releases freed (before the outputs, for a symbol that frees while it runs)."""
     timeline = phase.timeline
 
     def free(op) -> None:
         for j in op.freed:
-            if ("trace", k, j) in replay.live:
-                replay.free(("trace", k, j))
+            if ("trace", k, j) in events.live:
+                events.free(("trace", k, j))
 
     for i, op in enumerate(timeline.ops()):
         if op.freed_first:
             free(op)
         for j in op.made:
-            replay.allocate(("trace", k, j), timeline.allocations[j], phase)
+            events.allocate(("trace", k, j), timeline.allocations[j], phase)
         if op.workspace:
             frames = ({"filename": "", "line": 0, "name": f"workspace of {timeline.symbols[i]}"}, _phase_frame(phase))
-            replay.allocate(("workspace", k, i), None, phase, nbytes=op.workspace, frames=frames)
-            replay.free(("workspace", k, i))
+            events.allocate(("workspace", k, i), None, phase, nbytes=op.workspace, frames=frames)
+            events.free(("workspace", k, i))
         if not op.freed_first:
             free(op)
 
