@@ -141,7 +141,7 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     assert report["settings"] == {"model": "pythia-14m", "n_layers": 2, "block_size": 32, "micro_batch_size": 1,
                                   "dtype": "bf16", "mode": "jit", "shard": None, "world_size": 1, "device": "cpu",
                                   "executors": "default+cat", "transform": True, "memory_budget_bytes": None,
-                                  "measured": False, "fit_bytes": None}
+                                  "measured": False, "fit_bytes": None, "memory_cap_bytes": None}
     assert report["versions"]["torch"] == torch.__version__ and "lightning-thunder" in report["versions"]
     for plan in report["plans"]:
         assert sum(plan["by_category"].values()) == plan["peak_bytes"] and plan["top"]
