@@ -25,9 +25,10 @@ import bisect
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.snapshot import ALIGNMENT as MIN_BLOCK
+from thunder_fsdp_mem.snapshot import aligned as rounded
 from thunder_fsdp_mem.snapshot import replay
 
-MIN_BLOCK = 512
 SMALL_REQUEST = 1 << 20  # requests up to this size use the small pool
 SMALL_SEGMENT = 2 << 20
 LARGE_SEGMENT = 20 << 20  # for large requests under MIN_LARGE_ALLOC
@@ -68,10 +69,6 @@ class Reserved:
     peak_allocated_bytes: int
     retries: int
     out_of_memory_bytes: int | None = None
-
-
-def rounded(nbytes: int) -> int:
-    return MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK
 
 
 def segment_size(request: int) -> int:
@@ -182,6 +179,7 @@ def replay_step(step: StepMemory, *, steps: int = 3, cap: int | None = None) -> 
     alive_before = set(before)
     allocator = CachingAllocator(cap)
     live: dict[int, _Block] = {}
+    failed = None
     try:
         for _ in range(steps):
             for number in [n for n in live if n not in alive_before]:  # what the last step left, as the caller drops it
@@ -194,8 +192,7 @@ def replay_step(step: StepMemory, *, steps: int = 3, cap: int | None = None) -> 
                     live[number] = allocator.malloc(sizes[number])
                 elif number in live:
                     allocator.free(live.pop(number))
-    except OutOfMemory as failed:
-        return Reserved(peak_reserved_bytes=allocator.peak_reserved, peak_allocated_bytes=allocator.peak_allocated,
-                        retries=allocator.retries, out_of_memory_bytes=failed.args[0])
+    except OutOfMemory as error:
+        failed = error.args[0]
     return Reserved(peak_reserved_bytes=allocator.peak_reserved, peak_allocated_bytes=allocator.peak_allocated,
-                    retries=allocator.retries)
+                    retries=allocator.retries, out_of_memory_bytes=failed)

@@ -253,7 +253,7 @@ class _Arena:
         self.high = 0  # the highest ``top``: the segment's size
 
     def allocate(self, nbytes: int) -> int:
-        size = _aligned(nbytes)
+        size = aligned(nbytes)
         for n, (offset, hole) in enumerate(self.holes):
             if hole >= size:
                 self.holes[n:n + 1] = [(offset + size, hole - size)] if hole > size else []
@@ -263,7 +263,7 @@ class _Arena:
         return BASE_ADDRESS + offset
 
     def free(self, address: int, nbytes: int) -> None:
-        offset, size = address - BASE_ADDRESS, _aligned(nbytes)
+        offset, size = address - BASE_ADDRESS, aligned(nbytes)
         holes = sorted([*self.holes, (offset, size)])
         merged: list[tuple[int, int]] = []
         for start, length in holes:
@@ -276,5 +276,6 @@ class _Arena:
         self.holes = merged
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """The bytes of the block the CUDA caching allocator gives a request: at least ``ALIGNMENT``, a multiple of it."""
     return max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
