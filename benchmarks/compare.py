@@ -9,7 +9,8 @@ Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused`
 ``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``, ``ag``:
 ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1, and
 ``budget``: ``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
-``fsdp2.fit_budget``). A torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1
+``fsdp2.fit_budget``); on CUDA with ``--memory-cap-gb`` the cap is the transform's ``memory_cap`` too, as a user
+tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1
 (``inductor@amb=0.5``); ``inductor+ckpt`` checkpoints every block.
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
@@ -440,6 +441,9 @@ def _setup(args, rank, result: dict):
     variant = split_variant(args.worker)
     executors = variant.executors or args.executors
     memory = MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory})
+    if memory.memory_budget is not None and args.memory_cap_gb is not None and args.device == "cuda":
+        memory = dataclasses.replace(memory, memory_cap=int(args.memory_cap_gb * 1e9))
+        result["memory_cap"] = memory.memory_cap
     if variant.base == "fsdp2-thunder+mem" and memory.memory_budget is not None:
         memory = _fsdp2_block_budget(args, spec, rank, executors, memory)
         result["saved_budget"] = memory.saved_budget
@@ -474,8 +478,7 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) 
     from thunder_fsdp_mem.predict import fsdp2
     from thunder_fsdp_mem.training import models
 
-    _, config, _ = fsdp2.fit_budget(spec, memory.memory_budget, world_size=rank.world_size, shard=args.shard,
-                                    config=dataclasses.replace(memory, memory_budget=None),
+    _, config, _ = fsdp2.fit_budget(spec, memory, world_size=rank.world_size, shard=args.shard,
                                     device_type=args.device, dtype=models.DTYPES[args.dtype],
                                     micro_batch_size=args.micro_batch_size, executors=executors)
     return config

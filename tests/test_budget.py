@@ -1,7 +1,8 @@
 """A memory budget (``MemoryConfig.memory_budget``, ``passes/budget.py``): on three litgpt families the transform
 fits a budget below what it reaches without one, by recomputing matmuls, with Thunder's results bit for bit; the
 estimate it fits is ``estimate_step``'s of the step that runs (the eager loss and AdamW's state included); a budget
-that cannot be met warns, names the least peak reachable, and raises under ``strict``."""
+that cannot be met warns, names the least peak reachable, and raises under ``strict``; with a memory cap the plan
+also runs in the caching allocator's replay under it."""
 
 import dataclasses
 import functools
@@ -17,6 +18,7 @@ from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import REMATERIALIZE
+from thunder_fsdp_mem.reserved import over_cap
 from thunder_fsdp_mem.training import models
 
 
@@ -75,6 +77,22 @@ def test_an_unreachable_budget_warns_with_the_least_peak_and_raises_under_strict
         _step(spec, MemoryConfig(memory_budget=1, strict=True))
 
 
+def test_with_a_cap_the_plan_also_runs_in_the_allocators_replay():
+    # The budget and the cap are both the peak neox reaches without a budget: the budget is met with nothing more
+    # recomputed, but the caching allocator rounds blocks up and caches them, so that step misses the cap in its
+    # replay. With the cap the plan recomputes until the replay runs under it, bit for bit; the replay judges the
+    # step that ran (``estimate_step``'s), not the pass's own estimate.
+    spec = _spec("neox")
+    (loss, grads, _, _), (_, _, unbudgeted, _), _, _ = _runs("neox")
+    cap = unbudgeted.peak_bytes
+    assert over_cap(unbudgeted, cap) > 0
+    loss_c, grads_c, step, transform = _step(spec, MemoryConfig(memory_budget=cap, memory_cap=cap, strict=True))
+    assert torch.equal(loss, loss_c) and all(torch.equal(a, b) for a, b in zip(grads, grads_c, strict=True))
+    assert over_cap(step, cap) == 0 and step.peak_bytes < cap
+    (remat,) = [r for r in transform.rewrites if r.pass_name == REMATERIALIZE]
+    assert remat.outcome is Outcome.APPLIED and "reserved under a cap of" in remat.note and ": met at" in remat.note
+
+
 def test_budgets_are_validated():
     for bad in (0, -1, 1.5, True, "60GB"):
         with pytest.raises(ValueError, match=r"MemoryConfig.memory_budget must be None or an int >= 1 \(bytes\)"):
@@ -85,5 +103,9 @@ def test_budgets_are_validated():
         MemoryConfig(budget_loss="mse")
     with pytest.raises(ValueError, match="MemoryConfig.budget_optimizer must be None or one of adamw"):
         MemoryConfig(budget_optimizer="sgd")
+    with pytest.raises(ValueError, match="MemoryConfig.memory_cap must be None or an int >= 1"):
+        MemoryConfig(memory_budget=10**9, memory_cap=0)
+    with pytest.raises(ValueError, match="memory_cap is what memory_budget's plan must also run under"):
+        MemoryConfig(memory_cap=10**9)
     with pytest.raises(ValueError, match="they need rematerialize=True"):
         MemoryConfig(memory_budget=10**9, rematerialize=False)

@@ -12,6 +12,7 @@ from thunder.core.pytree import tree_flatten
 from configs import BY_NAME
 from support import ROOT
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes import casts
@@ -92,9 +93,9 @@ def test_a_gelu_chain_runs_in_bf16_with_the_same_bits():
 def test_meta_traces_fold_as_on_says():
     trace = _forward(_gelu_product, torch.randn(64, 256, device="meta").to(torch.bfloat16))
     assert casts.fold_casts(trace) is trace  # a meta trace runs nowhere: no table
-    with casts.as_on("cpu"):
+    with device.as_on("cpu"):
         assert _casts(casts.fold_casts(trace)) == 6
-    with casts.as_on("cuda"):
+    with device.as_on("cuda"):
         assert _casts(casts.fold_casts(trace)) == 5
 
 

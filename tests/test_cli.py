@@ -213,3 +213,21 @@ def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
     assert reserved["out_of_memory_bytes"] is None
     assert "Under a cap of 953.67 MiB per rank, estimate: fits, reserving at most" in text
     assert "reserved (caching allocator, modelled)" in text
+
+
+def test_a_budget_with_a_cap_is_planned_and_judged_under_the_cap(tmp_path, capsys):
+    # pythia-14m's step peaks at 130.85 MiB in AdamW's step, which no recomputation lowers: under a cap of 131 MiB
+    # the allocator's replay runs out there (its 24.94 MiB of temporaries find no cached block, and a segment more
+    # passes the cap), so a budget of 131 MiB under that cap cannot be met, whatever the plan recomputes.
+    out = tmp_path / "r.json"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "64", "--mode", "jit",
+                 "--memory-budget", "131MiB", "--memory-cap", "131MiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    shown = data["plans"][-1]
+    assert shown["peak_bytes"] <= 131 * 2**20 and shown["reserved"]["out_of_memory_bytes"] is not None
+    assert "Budget 131.00 MiB per rank under a cap of 131.00 MiB: cannot be met: the plan nearest to it" in text
+    assert "The budget's plan is the nearest to the cap the transform reaches" in text
+    assert "--memory-budget with this --memory-cap plans a step that runs under it" in text  # without the transform
+    # the transform was told of the cap: its rematerialization's note says so
+    assert any("reserved under a cap of 131.00 MiB" in (p["note"] or "") for p in data["transform_passes"])

@@ -1,14 +1,19 @@
 """fsdp2.py: the per-rank composition of an FSDP2 + ThunderFX step, checked against FSDP2's holdings computed by
-hand for a model whose parameters all divide by the world size. (Its prediction against 2 measured gloo ranks:
-tests/test_compare.py; against 2xH200: docs/accuracy.md.)"""
+hand for a model whose parameters all divide by the world size, and a step's budget under a memory cap turned into
+each block's saved budget. (Its prediction against 2 measured gloo ranks: tests/test_compare.py; against 2xH200:
+docs/accuracy.md.)"""
+
+import dataclasses
 
 import pytest
 import torch
 
 from configs import BY_NAME
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.step import Stage
 from thunder_fsdp_mem.predict import fsdp2
+from thunder_fsdp_mem.reserved import over_cap, replay_step
 from thunder_fsdp_mem.training import models
 
 WORLD = 2
@@ -111,3 +116,17 @@ def test_block_allocations_are_placed_at_litgpt_lines(steps):
         for source in in_litgpt:
             path, _, line = source.rpartition(":")
             assert linecache.getline(path, int(line)).strip(), source
+
+
+def test_a_step_budget_under_a_cap_becomes_a_saved_budget_whose_step_runs_under_the_cap():
+    # 1024 tokens, so that what the blocks save matters. The cap is 1 MiB under what the caching allocator reserves
+    # for the transform's step without a budget, which then runs out in the replay; the fit turns the step's budget
+    # and cap into what each block may save, and the step composed with it runs under the cap.
+    spec = dataclasses.replace(BY_NAME["neox"], block_size=1024)
+    options = dict(world_size=WORLD, shard="zero2", device_type="cpu", executors="default")
+    unbudgeted = fsdp2.compose_step(spec, transform=FSDPMemoryTransform(), **options)
+    cap = replay_step(unbudgeted).peak_reserved_bytes - 2**20
+    assert over_cap(unbudgeted, cap) > 0
+    step, config, _ = fsdp2.fit_budget(spec, MemoryConfig(memory_budget=cap, memory_cap=cap), **options)
+    assert (config.memory_budget, config.memory_cap) == (None, None) and config.saved_budget is not None
+    assert over_cap(step, cap) == 0 and step.peak_bytes <= cap

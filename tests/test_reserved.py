@@ -3,7 +3,7 @@ rules (sizes, pools, splitting, merging, releasing under a cap), and over a pred
 
 import pytest
 
-from thunder_fsdp_mem.reserved import CachingAllocator, OutOfMemory, replay_step, rounded, segment_size
+from thunder_fsdp_mem.reserved import CachingAllocator, OutOfMemory, over_cap, replay_step, rounded, segment_size
 
 MiB = 1 << 20
 
@@ -47,8 +47,9 @@ def test_under_a_cap_cached_segments_are_released_once_then_the_request_fails():
     allocator.free(x)
     allocator.malloc(12 * MiB)  # no cached block fits; 32 MiB would pass the cap: x's segment goes, 22 MiB
     assert (allocator.retries, allocator.reserved, allocator.peak_reserved) == (1, 22 * MiB, 22 * MiB)
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory) as failed:
         allocator.malloc(4 * MiB)  # a new 20 MiB segment: 42 MiB, and nothing cached to release
+    assert (failed.value.request, failed.value.shortfall) == (4 * MiB, 42 * MiB - 24 * MiB)
 
 
 def test_fragmentation_runs_out_where_the_allocated_bytes_fit():
@@ -59,9 +60,9 @@ def test_fragmentation_runs_out_where_the_allocated_bytes_fit():
     allocator.free(blocks[0])
     allocator.free(blocks[2])
     assert allocator.allocated + 8 * MiB <= 20 * MiB
-    with pytest.raises(OutOfMemory):
+    with pytest.raises(OutOfMemory) as failed:
         allocator.malloc(8 * MiB)
-    assert allocator.retries == 1
+    assert allocator.retries == 1 and failed.value.shortfall == 20 * MiB  # 20 reserved + 20 new - 20 cap
 
 
 def test_a_replayed_step_allocates_its_estimate_rounded_up(predicted_step):
@@ -74,5 +75,8 @@ def test_a_replayed_step_allocates_its_estimate_rounded_up(predicted_step):
     assert replay_step(step, steps=3, cap=free.peak_reserved_bytes).out_of_memory_bytes is None
     short = replay_step(step, cap=step.peak_bytes // 2)
     assert short.out_of_memory_bytes is not None and short.peak_reserved_bytes <= step.peak_bytes // 2
+    assert 0 < short.shortfall_bytes <= short.peak_reserved_bytes + segment_size(short.out_of_memory_bytes)
+    assert over_cap(step, step.peak_bytes // 2) == short.shortfall_bytes
+    assert over_cap(step, free.peak_reserved_bytes) == 0 and free.shortfall_bytes is None
     with pytest.raises(ValueError, match="steps must be at least 1"):
         replay_step(step, steps=0)

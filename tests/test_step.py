@@ -9,6 +9,7 @@ import torch
 from configs import BY_NAME
 from support import memtracker_peak
 from thunder_fsdp_mem import estimate_step
+from thunder_fsdp_mem.analysis.step import anticipated_adamw, anticipated_adamw_step, estimate_traces
 from thunder_fsdp_mem.training import models
 
 TOLERANCE = 0.03
@@ -158,6 +159,13 @@ def test_the_optimizer_step_matches_memtracker_on_cpu():
     measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     estimate = estimate_step(jitted, optimizer=optimizer)
     assert estimate.optimizer_peak_bytes == measured
+    # What a memory budget counts from the traces alone (AdamW's state and step anticipated) is the same step but
+    # for the scalar ``step`` counts AdamW keeps per parameter.
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    anticipated = estimate_traces(forward, backward, held=anticipated_adamw(forward, backward),
+                                  optimizer_step=anticipated_adamw_step(forward, backward))
+    counts = sum(per["step"].nbytes for per in optimizer.state.values())
+    assert anticipated.optimizer_peak_bytes + counts == measured
 
 
 def test_timeline_by_category_adds_up_to_the_points_and_to_each_phases_peak(predicted_step):

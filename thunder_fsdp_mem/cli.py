@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--memory-cap", metavar="SIZE", default=None,
                         help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
                              "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
-                             "caching allocator over the step and says whether it runs out under it (--device cuda)")
+                             "caching allocator over the step and says whether it runs out under it; with "
+                             "--memory-budget, the plan must run under it too (--device cuda)")
     report.add_argument("--memory-budget", metavar="SIZE", default=None,
                         help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
                              "recomputes matmuls and attention in backward where it must; shows what, and the "
@@ -224,7 +225,8 @@ def _report(args) -> int:
     n_layers = spec.config().n_layer
     if args.fit is not None:
         return _fit(args, spec, n_layers)
-    plans = [None, MemoryConfig(memory_budget=args.memory_budget)] if args.transform else [None]
+    cap = args.memory_cap if args.memory_budget is not None else None
+    plans = [None, MemoryConfig(memory_budget=args.memory_budget, memory_cap=cap)] if args.transform else [None]
     steps = []
     transform = None
     measured = None

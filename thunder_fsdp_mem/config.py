@@ -38,14 +38,20 @@ class MemoryConfig:
         recomputes matmuls, attention and whole blocks in backward, the least time per byte of peak removed first,
         until the estimated step peak (with ``budget_loss`` and ``budget_optimizer``) fits (``budget.py``). For a
         forward/backward pair that is the whole step (``thunder.jit``, Thunder's fsdp). None: no budget.
+    memory_cap: with ``memory_budget``, the most the CUDA caching allocator may reserve (an int > 0: the GPU's
+        memory, or the process's share of it under ``torch.cuda.set_per_process_memory_fraction``). The budget
+        bounds allocated bytes, the device reserved ones: a plan must then also run when the allocator is replayed
+        over its estimated step under the cap (``reserved.py``), so that cached blocks too small for a request do not
+        stop it. None: allocated bytes only.
     saved_budget: the most bytes a forward may save for backward beyond its inputs (an int >= 0), the same way;
         for a pair that is part of a step (each ThunderFX block under FSDP2), set from a step's budget by the
         report's planner (``thunder-fsdp-mem report --memory-budget``). None: no budget.
     budget_loss: the loss the caller computes on the forward's output, counted in ``memory_budget``'s step (one of
         ``BUDGET_LOSSES``: eager cross-entropy on the logits, as the benchmarks run it; None: the output is the
         loss, or nothing more is computed on it).
-    budget_optimizer: the optimizer state counted in ``memory_budget``'s step (``adamw``: two moments of each
-        trained parameter, the shard under FSDP; None: none).
+    budget_optimizer: the optimizer counted in ``memory_budget``'s step (``adamw``: two moments of each trained
+        parameter, the shard under FSDP, and the temporaries of its step as torch runs it by default on the
+        traces' device: ``foreach`` on CUDA; None: none).
     strict: raise instead of warning when a trace is not understood, a rewrite fails its checks, or a budget
         cannot be met (a warning returns the trace unchanged, or rewritten to the least peak reachable).
     """
@@ -60,6 +66,7 @@ class MemoryConfig:
     max_inflight_reduce_scatters: int = DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
     regather: bool | None = None
     memory_budget: int | None = None
+    memory_cap: int | None = None
     saved_budget: int | None = None
     budget_loss: str | None = "cross_entropy"
     budget_optimizer: str | None = "adamw"
@@ -75,7 +82,7 @@ class MemoryConfig:
             _check(name, n, isinstance(n, int) and not isinstance(n, bool) and n >= 1, "an int >= 1")
         _check("regather", self.regather, self.regather is None or isinstance(self.regather, bool),
                "True, False or None (as the sharding strategy says)")
-        for name, least in (("memory_budget", 1), ("saved_budget", 0)):
+        for name, least in (("memory_budget", 1), ("memory_cap", 1), ("saved_budget", 0)):
             n = getattr(self, name)
             _check(name, n, n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= least),
                    f"None or an int >= {least} (bytes)")
@@ -83,6 +90,9 @@ class MemoryConfig:
                f"None or one of {', '.join(BUDGET_LOSSES)}")
         _check("budget_optimizer", self.budget_optimizer, self.budget_optimizer in (None, *BUDGET_OPTIMIZERS),
                f"None or one of {', '.join(BUDGET_OPTIMIZERS)}")
+        if self.memory_cap is not None and self.memory_budget is None:
+            raise ValueError("MemoryConfig.memory_cap is what memory_budget's plan must also run under: it needs "
+                             "memory_budget (the cap itself, if no lower one is wanted)")
         if self.budgeted and not self.rematerialize:
             raise ValueError("MemoryConfig.memory_budget and saved_budget are met by rematerialization: they need "
                              "rematerialize=True")

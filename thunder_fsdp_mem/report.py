@@ -300,11 +300,16 @@ def _cap_lines(report: Report) -> list[str]:
                          f"{format_bytes(r.peak_reserved_bytes)}{retried}.")
         elif p.step.peak_bytes <= report.memory_cap:
             peak = format_bytes(p.step.peak_bytes)
+            if report.budget is not None and p is report.shown:  # planned under the cap: the least it reaches
+                room = ("The budget's plan is the nearest to the cap the transform reaches; "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
+            else:
+                room = ("--memory-budget with this --memory-cap plans a step that runs under it; "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
             lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory at a request of "
                          f"{format_bytes(r.out_of_memory_bytes)}, although its peak ({peak}) is under the cap: no "
-                         "cached block holds the request and a new segment would pass the cap (fragmentation). A "
-                         "lower --memory-budget, or PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, leaves it "
-                         "room.")
+                         f"cached block holds the request and a new segment would pass the cap (fragmentation). "
+                         f"{room}")
         else:
             lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory (its peak, "
                          f"{format_bytes(p.step.peak_bytes)}, is over the cap).")
@@ -397,9 +402,19 @@ def _print_recomputed(console, report: Report) -> None:
         console.print()
     if report.budget is not None:
         peak = report.shown.step.peak_bytes
-        verdict = "met" if peak <= report.budget else "cannot be met: the least peak the plan reaches is"
-        console.print(f"Budget {format_bytes(report.budget)} per rank: {verdict} {format_bytes(peak)}",
-                      style="bold" if peak <= report.budget else "yellow")
+        reserved = report.shown.reserved if report.memory_cap is not None else None
+        met = peak <= report.budget and (reserved is None or reserved.out_of_memory_bytes is None)
+        under = f" under a cap of {format_bytes(report.memory_cap)}" if reserved is not None else ""
+        if met:
+            verdict = f"met: {format_bytes(peak)}"
+            verdict += f", {format_bytes(reserved.peak_reserved_bytes)} reserved" if reserved is not None else ""
+        elif peak <= report.budget:
+            verdict = (f"cannot be met: the plan nearest to it ({format_bytes(peak)}) runs out of memory in the "
+                       "caching allocator's replay")
+        else:
+            verdict = f"cannot be met: the least peak the plan reaches is {format_bytes(peak)}"
+        console.print(f"Budget {format_bytes(report.budget)} per rank{under}: {verdict}",
+                      style="bold" if met else "yellow")
         console.print()
 
 

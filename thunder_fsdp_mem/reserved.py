@@ -6,10 +6,12 @@ are freed and hands out again. A cap (``torch.cuda.set_per_process_memory_fracti
 H200) limits reserved memory: a step whose allocated peak fits can still run out when no cached block is large
 enough and a new segment would pass the cap.
 
-Entry point: ``replay_step(step, steps=3, cap=None) -> Reserved``: the predicted step's allocations and frees
+Entry points: ``replay_step(step, steps=3, cap=None) -> Reserved``: the predicted step's allocations and frees
 (``snapshot.replay``, the same order the memory snapshot shows) run through a model of the allocator, ``steps``
 times (the warm-up steps leave their segments cached, as in a measured run), what is alive before the step
-allocated first. ``CachingAllocator`` is that model, after PyTorch's ``CUDACachingAllocator`` with its defaults
+allocated first; ``over_cap(step, cap) -> int``: by how many bytes the cap falls short of the replayed step (0:
+it runs), what a memory budget with a cap adds to its estimate's excess (``passes/pipeline.py``).
+``CachingAllocator`` is that model, after PyTorch's ``CUDACachingAllocator`` with its defaults
 (no ``PYTORCH_CUDA_ALLOC_CONF``): sizes rounded up to 512 bytes; requests up to 1 MiB served from a pool of 2 MiB
 segments, larger ones from a pool of segments of 20 MiB (requests under 10 MiB) or the request rounded up to
 2 MiB; the smallest cached block that fits is taken and split when the rest is at least 512 bytes (small pool) or
@@ -37,7 +39,12 @@ ROUND_LARGE = 2 << 20
 
 
 class OutOfMemory(Exception):
-    """A request the model cannot serve under the cap, after releasing the cached segments."""
+    """A request the model cannot serve under the cap, after releasing the cached segments: ``request`` (rounded)
+    and ``shortfall``, the bytes the cap lacked for the segment it needed."""
+
+    def __init__(self, request: int, shortfall: int) -> None:
+        super().__init__(request, shortfall)
+        self.request, self.shortfall = request, shortfall
 
 
 @dataclass(eq=False, slots=True)
@@ -63,12 +70,15 @@ class Reserved:
         and a large block whose rest would be 1 MiB or less is not split).
     retries: requests served only after the cached segments were released (``num_alloc_retries``).
     out_of_memory_bytes: the request that failed under the cap, None if none did.
+    shortfall_bytes: what the cap lacked at that request (the reserved bytes, the new segment's and no more
+        passed the cap by this much), None if none failed.
     """
 
     peak_reserved_bytes: int
     peak_allocated_bytes: int
     retries: int
     out_of_memory_bytes: int | None = None
+    shortfall_bytes: int | None = None
 
 
 def segment_size(request: int) -> int:
@@ -141,7 +151,7 @@ class CachingAllocator:
             self._release_cached()
             self.retries += 1
             if self.reserved + want > self.cap:
-                raise OutOfMemory(size)
+                raise OutOfMemory(size, self.reserved + want - self.cap)
         segment = self._next_segment
         self._next_segment += 1
         self._sizes[segment] = want
@@ -193,6 +203,13 @@ def replay_step(step: StepMemory, *, steps: int = 3, cap: int | None = None) -> 
                 elif number in live:
                     allocator.free(live.pop(number))
     except OutOfMemory as error:
-        failed = error.args[0]
+        failed = error
     return Reserved(peak_reserved_bytes=allocator.peak_reserved, peak_allocated_bytes=allocator.peak_allocated,
-                    retries=allocator.retries, out_of_memory_bytes=failed)
+                    retries=allocator.retries, out_of_memory_bytes=None if failed is None else failed.request,
+                    shortfall_bytes=None if failed is None else failed.shortfall)
+
+
+def over_cap(step: StepMemory, cap: int) -> int:
+    """By how many bytes ``cap`` falls short of ``step`` replayed through the allocator (``replay_step``): 0 where
+    it runs, else what the cap lacked at the request that failed."""
+    return replay_step(step, cap=cap).shortfall_bytes or 0

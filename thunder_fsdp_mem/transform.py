@@ -20,7 +20,7 @@ from thunder.distributed import FSDPType
 
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
-from thunder_fsdp_mem.passes.pipeline import estimator, pipeline
+from thunder_fsdp_mem.passes.pipeline import cap_shortfall, estimator, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -90,7 +90,8 @@ class FSDPMemoryTransform(Transform):
             placeholder, forward = pending
             pair = Pair(forward, computation_trace)
             pair, records = run_passes(pair, pipeline(c, regather=self._regathers()), on_refused=self._refused,
-                                       on_warning=self._warned, index=self._pairs, estimator=estimator(c, pair))
+                                       on_warning=self._warned, index=self._pairs, estimator=estimator(c, pair),
+                                       shortfall=cap_shortfall(c))
             self._pairs += 1
             self.rewrites.extend(records)
             placeholder.bound_symbols = pair.forward.bound_symbols

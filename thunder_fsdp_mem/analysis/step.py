@@ -39,6 +39,7 @@ import torch
 import thunder
 
 from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis.liveness import Allocation, InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, parameter_path, proxy_names
 
@@ -397,36 +398,52 @@ def _optimizer_step(optimizer, device_type: str | None) -> Allocation | None:
 
 
 def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None, loss: str | None = None,
-                    held: tuple[Allocation, ...] = ()) -> StepMemory:
+                    held: tuple[Allocation, ...] = (), optimizer_step: Allocation | None = None) -> StepMemory:
     """The same estimate from a forward execution trace and its backward alone (what a transform sees): the
     tensors alive before the step are the forward's tensor arguments. ``loss``: as ``estimate_step``'s, the loss
     the caller computes on the forward's output (None: none); ``held``: allocations alive through the step besides
-    the traces' (an optimizer's state, as ``anticipated_adamw`` makes it). ``reuse``: an earlier estimate with this
+    the traces' (an optimizer's state, as ``anticipated_adamw`` makes it); ``optimizer_step``: what the optimizer's
+    step adds at its peak (``anticipated_adamw_step``; None: no step counted). ``reuse``: an earlier estimate with this
     same forward trace, whose analysis of the forward is taken as it is (a pass that tries several backwards
     against one forward analyses it once)."""
     if loss is not None and loss not in LOSSES:
         raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
     return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), list(held), loss,
-                    forward=reuse.forward if reuse is not None else None)
+                    forward=reuse.forward if reuse is not None else None, optimizer_step=optimizer_step)
 
 
 def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
-    """The state AdamW will hold for the parameters a forward/backward pair trains: two moments the size of each
-    parameter (the shard, under FSDP) that the forward receives and the backward returns a gradient for.
-    Parameters are told by Thunder's names for them: ``t_`` + qualified name (``thunder.jit``, Thunder's fsdp),
-    or a ``_parameters_`` path (a ThunderFX graph)."""
-    inputs = _flat_args(forward_trace)
-    gradients = backward_trace.bound_symbols[-1].args[0] if backward_trace is not None else ()
+    """The state AdamW will hold for the parameters a forward/backward pair trains (``_trained``): two moments the
+    size of each parameter (the shard, under FSDP)."""
     state = []
-    for arg, grad in zip(inputs, gradients if isinstance(gradients, tuple | list) else ()):
-        name = getattr(arg, "name", "")
-        if grad is None or not hasattr(arg, "dtype") or not (name.startswith("t_") or "_parameters_" in name):
-            continue
+    for arg in _trained(forward_trace, backward_trace):
         for moment in ("exp_avg", "exp_avg_sq"):
-            state.append(held_allocation(optimizer_state_name("AdamW", moment, parameter_path(name) or name),
+            state.append(held_allocation(optimizer_state_name("AdamW", moment, parameter_path(arg.name) or arg.name),
                                          nbytes(arg), Category.OPTIMIZER_STATE, shape=arg.shape,
                                          dtype=dtype_name(arg), symbol="anticipated"))
     return tuple(state)
+
+
+def anticipated_adamw_step(forward_trace, backward_trace) -> Allocation | None:
+    """What AdamW's step will add at its peak over the parameters the pair trains (``adam_step_allocation``), run
+    as torch runs it by default on the pair's device (``analysis.device``): ``foreach`` on CUDA, else ``single
+    tensor``. None where the pair trains nothing."""
+    trained = _trained(forward_trace, backward_trace)
+    if not trained:
+        return None
+    kind = "foreach" if device.device_type(trained[0]) == "cuda" else "single tensor"
+    return adam_step_allocation("AdamW", [(nbytes(a), dtype_name(a)) for a in trained], kind)
+
+
+def _trained(forward_trace, backward_trace) -> list:
+    """The parameters a pair trains: the forward's inputs the backward returns a gradient for, told by Thunder's
+    names for them: ``t_`` + qualified name (``thunder.jit``, Thunder's fsdp), or a ``_parameters_`` path (a
+    ThunderFX graph)."""
+    inputs = _flat_args(forward_trace)
+    gradients = backward_trace.bound_symbols[-1].args[0] if backward_trace is not None else ()
+    return [arg for arg, grad in zip(inputs, gradients if isinstance(gradients, tuple | list) else ())
+            if grad is not None and hasattr(arg, "dtype")
+            and (getattr(arg, "name", "").startswith("t_") or "_parameters_" in getattr(arg, "name", ""))]
 
 
 def _flat_args(forward_trace) -> list:

@@ -27,14 +27,11 @@ device type set by ``as_on`` (the report's prediction), and not at all outside i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
 
+from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis.symbols import def_use, dtype_name, shape, sym_id, tensor_outputs, without_dels
 from thunder_fsdp_mem.passes.edit import rebuilt
 
@@ -56,23 +53,10 @@ INEXACT_NUMBER: dict[str, frozenset[tuple[str, int]]] = {
 _LOW = {"bf16": torch.bfloat16, "f16": torch.float16}
 _CASTS = frozenset({"to", "convert_element_type"})
 
-_as_on: ContextVar[str | None] = ContextVar("thunder_fsdp_mem.casts.as_on", default=None)
-
-
-@contextmanager
-def as_on(device_type: str) -> Iterator[None]:
-    """Within it, traces made on the meta device fold as they would on ``device_type``."""
-    token = _as_on.set(device_type)
-    try:
-        yield
-    finally:
-        _as_on.reset(token)
-
-
 def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     """``trace`` with each foldable upcast-op-round bracket run as one op in the 16-bit dtype (see the module's
     docstring); ``trace`` itself when there is none. ``device_type``: the device the trace runs on (None: its
-    tensors' own, the meta device as ``as_on`` says)."""
+    tensors' own, the meta device as ``analysis.device.as_on`` says)."""
     bsyms = without_dels(trace.bound_symbols, clears=False)
     index = def_use(bsyms)
     producer = index.producer
@@ -128,7 +112,7 @@ def _folded(bsyms, producer, op, low: str, out: TensorProxy, device_type: str | 
     """(the op bound to the 16-bit operands with ``out`` as its output, the indices of the upcasts it no longer
     reads), or None where the bracket cannot be folded."""
     sid = sym_id(op)
-    on = device_type or _device_type(out)
+    on = device_type or device.device_type(out)
     if sid not in FOLDABLE.get(on, {}).get(low, ()) or set(op.kwargs) - {"alpha"} or op.kwargs.get("alpha", 1) != 1:
         return None
     if len(tensor_outputs(op)) != 1 or shape(op.output) != shape(out):
@@ -150,11 +134,6 @@ def _folded(bsyms, producer, op, low: str, out: TensorProxy, device_type: str | 
     if not from_upcasts:
         return None
     return op.from_bsym(args=tuple(args), output=out, subsymbols=[]), from_upcasts
-
-
-def _device_type(t: TensorProxy) -> str | None:
-    on = t.device.type
-    return _as_on.get() if on == "meta" else on
 
 
 def _number(a) -> bool:

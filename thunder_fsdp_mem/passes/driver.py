@@ -10,7 +10,9 @@ each in order and, for each:
 - estimates the proposal with ``estimator`` (``step.estimate_traces``, the one estimator, with the loss and the
   optimizer state a memory budget counts; a pass that already judged its proposal with it hands the estimate
   over; a proposal with the forward unchanged reuses the forward's analysis), and keeps it only if the step's
-  estimated peak does not rise (``APPLIED``, else ``RAISES_PEAK``);
+  estimated peak does not rise (``APPLIED``, else ``RAISES_PEAK``) and, given ``shortfall`` (by how many bytes a
+  step misses the device's memory cap when the caching allocator is replayed over it), only if that does not
+  rise either (else ``MISSES_CAP``: another order of the same allocations can leave no cached block large enough);
 - where the pass raises ``PassError`` (a trace it does not understand) or a check fails, records ``REFUSED`` with
   the reason and calls ``on_refused`` (the transform warns, or raises under ``strict``); the next pass goes on from
   the pair as it was;
@@ -126,6 +128,7 @@ class Outcome(str, Enum):
     APPLIED = "applied"
     UNCHANGED = "nothing to change"
     RAISES_PEAK = "kept out: it would raise the estimated peak"
+    MISSES_CAP = "kept out: the caching allocator would miss the memory cap by more"
     REFUSED = "refused"
 
 
@@ -152,10 +155,12 @@ class Rewrite:
 
 def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str, str], None],
                on_warning: Callable[[str, str], None] | None = None, index: int = 0,
-               estimator: Estimator = estimate_traces) -> tuple[Pair, tuple[Rewrite, ...]]:
+               estimator: Estimator = estimate_traces,
+               shortfall: Callable[[StepMemory], int] | None = None) -> tuple[Pair, tuple[Rewrite, ...]]:
     """The pair after every pass of ``passes`` (see the module's docstring), and one ``Rewrite`` per pass that ran.
     ``on_refused(pass name, reason)`` is called for each refusal, ``on_warning(pass name, what)`` for each warning
-    (None: ``on_refused``); ``index``: the pair's number in the records."""
+    (None: ``on_refused``); ``index``: the pair's number in the records; ``shortfall``: see the module's
+    docstring (None: no cap)."""
     records: list[Rewrite] = []
     applied: set[str] = set()
     context = Context(pair, estimator)
@@ -164,7 +169,7 @@ def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str,
         if p.after is not None and p.after not in applied:
             continue
         start = time.perf_counter()
-        record, pair, context = _run_one(p, pair, context, index, warn)
+        record, pair, context = _run_one(p, pair, context, index, warn, shortfall)
         record = replace(record, seconds=time.perf_counter() - start)
         records.append(record)
         if record.outcome is Outcome.APPLIED:
@@ -176,8 +181,8 @@ def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str,
     return pair, tuple(records)
 
 
-def _run_one(p: Pass, pair: Pair, context: Context, index: int,
-             warn: Callable[[str, str], None]) -> tuple[Rewrite, Pair, Context]:
+def _run_one(p: Pass, pair: Pair, context: Context, index: int, warn: Callable[[str, str], None],
+             shortfall: Callable[[StepMemory], int] | None) -> tuple[Rewrite, Pair, Context]:
     try:
         proposal = p.run(pair, context)
         if proposal.warning is not None:
@@ -202,6 +207,10 @@ def _run_one(p: Pass, pair: Pair, context: Context, index: int,
         log.info("FSDPMemoryTransform: %s kept out, it would raise the estimated peak from %d to %d bytes", p.name,
                  before.peak_bytes, after.peak_bytes)
         return Rewrite(p.name, Outcome.RAISES_PEAK, index, **figures), pair, context
+    if shortfall is not None and shortfall(after) > shortfall(before):
+        log.info("FSDPMemoryTransform: %s kept out, the allocator's replay would miss the cap by %d bytes, not %d",
+                 p.name, shortfall(after), shortfall(before))
+        return Rewrite(p.name, Outcome.MISSES_CAP, index, **figures), pair, context
     new = Pair(proposal.forward, proposal.backward)
     return Rewrite(p.name, Outcome.APPLIED, index, **figures), new, Context(new, context.estimator, after)
 

@@ -14,21 +14,25 @@
 
 Each adapter here turns a pass's trace functions into a ``driver.Proposal`` and says what its checks allow.
 ``estimator(config, pair)`` is what judges them: ``step.estimate_traces``, with the loss and the optimizer state
-a memory budget counts.
+a memory budget counts; with a memory cap, ``cap_shortfall(config)`` too: the caching allocator replayed over the
+step under the cap (``reserved.over_cap``), which a plan must pass as well as the budget, and no later pass may
+make worse.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from thunder_fsdp_mem.analysis.step import anticipated_adamw, estimate_traces
+from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
 from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, nbytes, sym_id
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import budget, casts, checks, gathers, recompute, reorder, scatters
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Pass, Proposal
+from thunder_fsdp_mem.reserved import over_cap
 from thunder_fsdp_mem.units import format_bytes
 
 FOLD, REMATERIALIZE, ORDER = "folded casts", "rematerialization", "order"
@@ -62,16 +66,33 @@ def _fold(pair: Pair, context: Context) -> Proposal:
 
 def estimator(config: MemoryConfig, pair: Pair) -> Estimator:
     """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
-    loss the caller computes on the forward's output (where that output is not a scalar already) and the
-    optimizer state (``step.anticipated_adamw``)."""
+    loss the caller computes on the forward's output (where that output is not a scalar already), the optimizer
+    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``)."""
     if config.memory_budget is None:
         return estimate_traces
-    held = anticipated_adamw(pair.forward, pair.backward) if config.budget_optimizer == "adamw" else ()
+    adamw = config.budget_optimizer == "adamw"
+    held = anticipated_adamw(pair.forward, pair.backward) if adamw else ()
+    step = anticipated_adamw_step(pair.forward, pair.backward) if adamw else None
     value = pair.forward.bound_symbols[-1].args[0]
     outputs = [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)] \
         if isinstance(value, dict) and "output" in value else []
     loss = config.budget_loss if len(outputs) == 1 and nbytes(outputs[0]) > outputs[0].dtype.bytes else None
-    return functools.partial(estimate_traces, loss=loss, held=held)
+    return functools.partial(estimate_traces, loss=loss, held=held, optimizer_step=step)
+
+
+def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
+    """By how many bytes a step misses ``config.memory_cap`` when the caching allocator is replayed over it
+    (``reserved.over_cap``; 0: it runs), each step replayed once; None without a cap."""
+    if config.memory_cap is None:
+        return None
+    replayed: dict[int, tuple[StepMemory, int]] = {}  # the step is kept with its figure: its id stays its own
+
+    def short(step: StepMemory) -> int:
+        if id(step) not in replayed:
+            replayed[id(step)] = step, over_cap(step, config.memory_cap)
+        return replayed[id(step)][1]
+
+    return short
 
 
 def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
@@ -93,18 +114,24 @@ def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Propos
 def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
     warning that names it and what is alive there, where they cannot be met."""
-    def excess(estimate) -> int:
+    short_of_the_cap = cap_shortfall(config)
+
+    def excess(estimate: StepMemory) -> int:
         over = [0]
         if config.memory_budget is not None:
             over.append(estimate.peak_bytes - config.memory_budget)
         if config.saved_budget is not None:
             over.append(estimate.saved_bytes - config.saved_budget)
+        if short_of_the_cap is not None and max(over) <= 0:
+            over.append(short_of_the_cap(estimate))
         return max(over)
 
     found = budget.fit(pair.forward, pair.backward, excess=excess, judge=lambda f, b: context.estimator(f, b),
                        recompute_weight=config.recompute_weight)
     wanted = ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
-                                                                  ("saved", config.saved_budget)) if n is not None)
+                                                                  ("saved", config.saved_budget),
+                                                                  ("reserved under a cap of", config.memory_cap))
+                       if n is not None)
     e, plan = found.estimate, found.plan
     warning = None
     if not found.reached:
@@ -112,6 +139,9 @@ def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
         warning = (f"could not meet the budget ({wanted}): the least reachable is a peak of "
                    f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
                    f"{format_bytes(e.saved_bytes)}; alive there: {alive}")
+        if short_of_the_cap is not None and short_of_the_cap(e):
+            warning += (f"; the caching allocator's replay of that plan misses the cap by "
+                        f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)")
     if found.forward is pair.forward:
         return Proposal(pair.forward, pair.backward, warning=warning)
     price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"

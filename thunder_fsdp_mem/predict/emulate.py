@@ -15,7 +15,6 @@ region, ThunderFX's block took another recomputation plan and the fsdp2+mem pred
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -75,8 +74,7 @@ def plan_step(spec: models.ModelSpec, config: MemoryConfig, **options) -> tuple[
     ``fsdp2.fit_budget`` finds for the step."""
     if options.get("mode", "jit") == "fsdp2" and config.memory_budget is not None:
         options = {k: v for k, v in options.items() if k != "mode"}
-        step, _, transform = fsdp2.fit_budget(spec, config.memory_budget,
-                                              config=dataclasses.replace(config, memory_budget=None), **options)
+        step, _, transform = fsdp2.fit_budget(spec, config, **options)
         return step, transform
     transform = FSDPMemoryTransform(config)
     return trace_step(spec, transform=transform, **options), transform

@@ -2,7 +2,7 @@
 ThunderFX traces of its blocks and what FSDP2 holds outside them. Traced on the meta device: no GPU, no memory
 for the model, no other ranks.
 
-Entry points: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``; ``fit_budget(spec, budget, ...)``,
+Entry points: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``; ``fit_budget(spec, config, ...)``,
 the ``MemoryConfig.saved_budget`` each block's transform needs for the step to fit a per-rank budget.
 
 The set-up is ``benchmarks/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``, ``wte``,
@@ -61,6 +61,7 @@ from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
+from thunder_fsdp_mem.reserved import over_cap
 from thunder_fsdp_mem.training import models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
@@ -92,19 +93,24 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
         return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type).run()
 
 
-def fit_budget(spec: models.ModelSpec, budget: int, *, world_size: int, shard: str, config: MemoryConfig,
-               rounds: int = 3, **options) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
-    """A per-rank ``budget`` for the whole step, turned into what each block may save: FSDP2 compiles every block
-    alone, so its transform cannot see the step. The step's peak is where every block's saved tensors are alive
-    (the loss, the first blocks' backward), so each block saves its share of the excess less
-    (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step's peak is over the budget.
-    Returns the step, the config its blocks ran with, and their transform (whose ``rewrites`` say what it did).
-    ``options``: ``compose_step``'s."""
+def fit_budget(spec: models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3,
+               **options) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
+    """``config.memory_budget``, a per-rank budget for the whole step, turned into what each block may save: FSDP2
+    compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved
+    tensors are alive (the loss, the first blocks' backward), so each block saves its share of the excess less
+    (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step is over the budget (or,
+    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``reserved.over_cap``). Returns
+    the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform (whose
+    ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
+    budget, cap = config.memory_budget, config.memory_cap
+    config = dataclasses.replace(config, memory_budget=None, memory_cap=None)
     blocks = spec.config().n_layer
     transform = FSDPMemoryTransform(config)
     step = compose_step(spec, world_size=world_size, shard=shard, transform=transform, **options)
     for _ in range(rounds):
         excess = step.peak_bytes - budget
+        if cap is not None and excess <= 0:
+            excess = over_cap(step, cap)
         saved = _block_saved(step)
         target = max(0, saved - -(-excess // blocks))
         if excess <= 0 or saved == 0 or target == config.saved_budget:

@@ -15,8 +15,8 @@ on CUDA or CPU, over fake ranks. The floor below the step's emulation (``emulate
   meta (a region allocates its outputs, as the kernel torch.compile makes of it does on the device; inductor
   cannot compile for meta). Those that claim CUDA tensors only (``default+cat``'s rotary ``cat`` region) claim
   meta tensors too for ``cuda``; ``fused``'s, which claims every device's tensors, claims meta ones as it is.
-- ``casts.as_on(device_type)``: ``FSDPMemoryTransform`` folds casts with the tables of the device a trace runs on;
-  a meta trace folds as on ``device_type``.
+- ``analysis.device.as_on(device_type)``: ``FSDPMemoryTransform`` takes a meta trace for one on ``device_type``:
+  it folds casts with that device's tables, and a memory budget counts AdamW's step as torch runs it there.
 - ``as_on(device_type, executors)``: the three above at once.
 """
 
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
+from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
-from thunder_fsdp_mem.passes import casts
 from thunder_fsdp_mem.training import cudnn_attention
 
 
@@ -126,5 +126,5 @@ def attention_as_on(device_type: str) -> Iterator[None]:
 def as_on(device_type: str, executors: list) -> Iterator[None]:
     """Within it, a trace made on the meta device is what it would be on ``device_type``: attention's kernel,
     the torch.compile executors' claims and the casts ``FSDPMemoryTransform`` folds."""
-    with attention_as_on(device_type), executors_as_on(device_type, executors), casts.as_on(device_type):
+    with attention_as_on(device_type), executors_as_on(device_type, executors), device.as_on(device_type):
         yield
