@@ -10,8 +10,9 @@ Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused`
 ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1, and
 ``budget``: ``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
 ``fsdp2.fit_budget``); on CUDA with ``--memory-cap-gb`` the cap is the transform's ``memory_cap`` too, as a user
-tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1
-(``inductor@amb=0.5``); ``inductor+ckpt`` checkpoints every block.
+tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A
+torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1 (``inductor@amb=0.5``);
+``inductor+ckpt`` checkpoints every block.
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps

@@ -20,11 +20,13 @@ input, in about 1 of 6 profiled steps per rank on one shared core). That only ev
 takes the least peak of ``REPEATS`` steps; and inside the context each collective's wait is followed by a short
 pause, so that the worker thread is done with the work before the program frees its tensors.
 
-oneDNN is off inside the context. Where the CPU has bf16 instructions (avx512_bf16, AMX), a bf16 matmul runs on
-oneDNN, which takes a scratchpad from torch's allocator for each call: tens to hundreds of KiB at pythia-14m's
-sizes, set by the CPU model, not by the program (on an AMD EPYC with avx512_bf16, 39 of the 1608 probes of
-``tests/test_measure.py``'s one-process step saw 34 to 297 KiB more than the prediction, all at matmuls; with
-oneDNN off, none). The traces and their tensors are the same either way.
+A matmul's workspace is left out too: an allocation made inside ``aten::mm``, ``addmm``, ``bmm`` or ``baddbmm``
+and freed before the op returns. Where the CPU has bf16 instructions (avx512_bf16, AMX), a bf16 matmul runs on
+oneDNN, which takes a scratchpad from torch's allocator at each call (tens to hundreds of KiB at pythia-14m's
+sizes, set by the CPU model, not by the program) and may copy an operand to a layout of its own first; the
+estimate counts what ops return, as on CUDA, where cuBLAS's workspace is no tensor either. (Until the twelfth
+session the context turned oneDNN off instead: ATen's own bf16 matmul then took 6 s a step for pythia-14m's
+lm_head's forward and backward on our 2-core machine, against 34 ms on oneDNN.)
 
 ``CPUMemory(held)`` is a context manager: inside it, ``mark(label)`` notes a point of the program; afterwards
 ``peak_bytes`` is the peak of the live bytes over the context, and ``marks()`` gives, per mark, the live bytes
@@ -88,7 +90,6 @@ class CPUMemory:
     def __init__(self, *held):
         self._held = held
         self._profile = None
-        self._onednn = None
         self._events: list[tuple[int, int, str | None]] = []  # (time, running total, mark label or None)
         self.baseline_bytes = 0
 
@@ -98,8 +99,6 @@ class CPUMemory:
         # Kineto looks for GPUs and prints an error line on a machine without them; its errors are of no use here.
         os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self.baseline_bytes = held_bytes(*self._held)
-        self._onednn = torch.backends.mkldnn.flags(enabled=False)  # see the module's docstring
-        self._onednn.__enter__()
         self._settling = _settled_waits()
         self._settling.__enter__()
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True, acc_events=True)
@@ -112,8 +111,7 @@ class CPUMemory:
             self._events = _events(self._profile)
         finally:
             self._settling.__exit__(*exc)
-            self._onednn.__exit__(*exc)
-            self._profile = self._onednn = self._settling = None
+            self._profile = self._settling = None
 
     @staticmethod
     def mark(label: str) -> None:
@@ -162,30 +160,44 @@ def _settled_waits():
 
 def _events(profile) -> list[tuple[int, int, str | None]]:
     """The profile's CPU allocations (time, running total) and marks (time, 0, label), in time order."""
-    raw = []  # (time, bytes allocated or freed, address, made inside a collective, mark label)
-    stack = [(event, False) for event in profile.profiler.kineto_results.experimental_event_tree()]
+    raw = []  # [time, bytes allocated or freed, address, left out, mark label]
+    owners = []  # per raw entry: the matmul it was made inside (its event's id), or None
+    stack = [(event, False, None) for event in profile.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        event, inside = stack.pop()
+        event, inside, owner = stack.pop()
         inside = inside or event.name.startswith(_COLLECTIVES)
-        stack.extend((child, inside) for child in event.children)
+        owner = id(event) if event.name in _WORKSPACE_OPS else owner
+        stack.extend((child, inside, owner) for child in event.children)
         fields = event.typed[1]
         if hasattr(fields, "total_allocated"):
             if fields.device.type == "cpu":
-                raw.append((event.start_time_ns, fields.alloc_size, fields.ptr, inside, None))
+                raw.append([event.start_time_ns, fields.alloc_size, fields.ptr, inside, None])
+                owners.append(owner)
         elif event.name.startswith(_PREFIX):
-            raw.append((event.start_time_ns, 0, 0, False, event.name[len(_PREFIX):]))
-    raw.sort(key=lambda e: e[0])
-    return running_totals(raw)
+            raw.append([event.start_time_ns, 0, 0, False, event.name[len(_PREFIX):]])
+            owners.append(None)
+    order = sorted(range(len(raw)), key=lambda i: raw[i][0])
+    made: dict[tuple[int, int], int] = {}  # (matmul, address) -> the allocation made there, not yet freed
+    for i in order:
+        if owners[i] is None:
+            continue
+        key = (owners[i], raw[i][2])
+        if raw[i][1] > 0:
+            made[key] = i
+        elif key in made:  # freed inside the matmul that made it: its workspace
+            raw[made.pop(key)][3] = raw[i][3] = True
+    return running_totals([tuple(raw[i]) for i in order])
 
 
 def running_totals(raw) -> list[tuple[int, int, str | None]]:
-    """``raw``: (time, bytes allocated (> 0) or freed (< 0), address, made inside a collective, mark label or
-    None), in time order. Returns (time, bytes the program's tensors hold since the start, None) per allocation or
-    free, and (time, 0, label) per mark. Buffers allocated inside a collective, and their frees, are left out; an
+    """``raw``: (time, bytes allocated (> 0) or freed (< 0), address, left out (a collective's buffer or a
+    matmul's workspace), mark label or None), in time order. Returns (time, bytes the program's tensors hold since
+    the start, None) per allocation or free, and (time, 0, label) per mark. What is left out, and its free, is not
+    counted; an
     allocation at an address still occupied frees the occupant first (its free went unrecorded, see the module's
     docstring). A free of an address allocated before the start is counted: it was a tensor of the baseline."""
     found, total = [], 0
-    occupant: dict[int, int] = {}  # address -> bytes counted for the tensor there (0: a collective's buffer)
+    occupant: dict[int, int] = {}  # address -> bytes counted for the tensor there (0: left out)
     for time, size, address, inside, label in raw:
         if label is not None:
             found.append((time, 0, label))
@@ -202,3 +214,4 @@ def running_totals(raw) -> list[tuple[int, int, str | None]]:
 
 
 _COLLECTIVES = ("c10d::", "gloo:")  # the profiler's names of torch.distributed's collectives and gloo's own
+_WORKSPACE_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
