@@ -18,12 +18,12 @@ from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import REMATERIALIZE
-from thunder_fsdp_mem.reserved import over_cap
+from thunder_fsdp_mem.reserved import over_cap, replay_step
 from thunder_fsdp_mem.training import models
 
 
 def _spec(family: str) -> models.ModelSpec:
-    return dataclasses.replace(BY_NAME[family], n_layers=6, block_size=256)  # saved activations dominate
+    return dataclasses.replace(BY_NAME[family], n_layers=4, block_size=256)  # saved activations dominate
 
 
 def _step(spec: models.ModelSpec, config: MemoryConfig | None):
@@ -46,7 +46,7 @@ def _runs(family: str):
     spec = _spec(family)
     plain = _step(spec, None)
     unbudgeted = _step(spec, MemoryConfig(strict=True))
-    budget = int(0.9 * unbudgeted[2].peak_bytes)
+    budget = int(0.95 * unbudgeted[2].peak_bytes)  # the least reachable: 0.87 to 0.91 of it
     return plain, unbudgeted, budget, _step(spec, MemoryConfig(memory_budget=budget, strict=True))
 
 
@@ -78,17 +78,16 @@ def test_an_unreachable_budget_warns_with_the_least_peak_and_raises_under_strict
 
 
 def test_with_a_cap_the_plan_also_runs_in_the_allocators_replay():
-    # The budget and the cap are both the peak neox reaches without a budget: the budget is met with nothing more
-    # recomputed, but the caching allocator rounds blocks up and caches them, so that step misses the cap in its
-    # replay. With the cap the plan recomputes until the replay runs under it, bit for bit; the replay judges the
-    # step that ran (``estimate_step``'s), not the pass's own estimate.
+    # The cap is 1 MiB under what the caching allocator reserves for neox's step without a budget (replayed over
+    # ``estimate_step``'s estimate of the step that ran), which then runs out; the budget is the cap, which that step
+    # meets in allocated bytes. With the cap the plan recomputes until the replay runs under it, bit for bit.
     spec = _spec("neox")
     (loss, grads, _, _), (_, _, unbudgeted, _), _, _ = _runs("neox")
-    cap = unbudgeted.peak_bytes
-    assert over_cap(unbudgeted, cap) > 0
+    cap = replay_step(unbudgeted).peak_reserved_bytes - 2**20
+    assert unbudgeted.peak_bytes <= cap and over_cap(unbudgeted, cap) > 0
     loss_c, grads_c, step, transform = _step(spec, MemoryConfig(memory_budget=cap, memory_cap=cap, strict=True))
     assert torch.equal(loss, loss_c) and all(torch.equal(a, b) for a, b in zip(grads, grads_c, strict=True))
-    assert over_cap(step, cap) == 0 and step.peak_bytes < cap
+    assert over_cap(step, cap) == 0
     (remat,) = [r for r in transform.rewrites if r.pass_name == REMATERIALIZE]
     assert remat.outcome is Outcome.APPLIED and "reserved under a cap of" in remat.note and ": met at" in remat.note
 

@@ -38,8 +38,8 @@ from enum import Enum
 import torch
 import thunder
 
-from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis import device
+from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation, InputSpec, MemoryTimeline, analyze
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, parameter_path, proxy_names
 
@@ -441,9 +441,13 @@ def _trained(forward_trace, backward_trace) -> list:
     ThunderFX graph)."""
     inputs = _flat_args(forward_trace)
     gradients = backward_trace.bound_symbols[-1].args[0] if backward_trace is not None else ()
-    return [arg for arg, grad in zip(inputs, gradients if isinstance(gradients, tuple | list) else ())
-            if grad is not None and hasattr(arg, "dtype")
-            and (getattr(arg, "name", "").startswith("t_") or "_parameters_" in getattr(arg, "name", ""))]
+    pairs = zip(inputs, gradients if isinstance(gradients, tuple | list) else ())
+    return [arg for arg, grad in pairs if grad is not None and hasattr(arg, "dtype") and _is_parameter(arg)]
+
+
+def _is_parameter(arg) -> bool:
+    name = getattr(arg, "name", "")
+    return name.startswith("t_") or "_parameters_" in name
 
 
 def _flat_args(forward_trace) -> list:
