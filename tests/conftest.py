@@ -28,7 +28,7 @@ def _no_dying_modules_in_dynamos_tracker():
     every call. Thunder's interpreter, tracing that call, iterates the dict; when the garbage collector frees a
     module built earlier meanwhile, its entry leaves the dict and the trace fails with "dictionary changed size
     during iteration" (seen twice in this suite, in tests that jit many litgpt models; clearing the tracker before
-    each test did not end it: a CI run since failed in a test that traces pythia-14m twice, the message cut). So the
+    each test did not end it: a CI run since failed in a test that traces pythia-14m, the message cut). So the
     collector waits for the test's end."""
     torch._dynamo.reset()
     gc.disable()
