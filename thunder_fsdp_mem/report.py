@@ -300,16 +300,13 @@ def _cap_lines(report: Report) -> list[str]:
                          f"{format_bytes(r.peak_reserved_bytes)}{retried}.")
         elif p.step.peak_bytes <= report.memory_cap:
             peak = format_bytes(p.step.peak_bytes)
-            if report.budget is not None and p is report.shown:  # planned under the cap: the least it reaches
-                room = ("The budget's plan is the nearest to the cap the transform reaches; "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
-            else:
-                room = ("--memory-budget with this --memory-cap plans a step that runs under it; "
-                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
+            planned = report.budget is not None and p is report.shown  # planned under the cap: the least it reaches
+            room = ("The budget's plan is the nearest to the cap the transform reaches" if planned else
+                    "--memory-budget with this --memory-cap plans a step that runs under it")
             lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory at a request of "
                          f"{format_bytes(r.out_of_memory_bytes)}, although its peak ({peak}) is under the cap: no "
                          f"cached block holds the request and a new segment would pass the cap (fragmentation). "
-                         f"{room}")
+                         f"{room}; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
         else:
             lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory (its peak, "
                          f"{format_bytes(p.step.peak_bytes)}, is over the cap).")
