@@ -99,6 +99,24 @@ def test_a_backward_without_its_forward_is_refused(plain_traces):
         assert FSDPMemoryTransform().transform_trace_post_optimization(first) is first
 
 
+def test_a_forward_that_saves_nothing_is_left_alone_without_a_warning():
+    # A backward that needs nothing of the forward (ThunderFX makes such graphs of a model's casts, Mixtral's MoE
+    # among them) unpacks no saved tensors: nothing to recompute, not a trace the transform does not understand.
+    def casts(x):
+        return x.to(torch.float32).to(torch.bfloat16) * 2
+
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    expected = torch.autograd.grad(casts(x).sum(), x)
+    for config in (MemoryConfig(strict=True), MemoryConfig(memory_budget=1, strict=True)):
+        transform = FSDPMemoryTransform(config)
+        jitted = thunder.jit(casts, transforms=[transform])
+        out = jitted(x)
+        assert torch.equal(torch.autograd.grad(out.sum(), x)[0], expected[0])
+        assert thunder.last_backward_traces(jitted), "the step had no backward"
+        (remat,) = [r for r in transform.rewrites if r.pass_name == "rematerialization"]
+        assert remat.outcome.value == "nothing to change"
+
+
 def test_fusion_regions_are_recomputed_whole_and_results_stay_bitwise():
     # A torch.compile executor that claims tanh, mul and casts: the forward has fusion regions (as on GPU, where
     # torch.compile claims what surrounds cat), and the backward runs copies of them, with the same results.

@@ -97,6 +97,10 @@ def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
 
 def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     forward, backward = pair.forward, pair.backward
+    if not recompute.saved_tensors(forward):
+        # Nothing saved for backward (one of ThunderFX's graphs can be a few casts): nothing to recompute, and the
+        # backward unpacks no saved tensors. Under FSDP2 what it saves (nothing) meets any saved budget.
+        return Proposal(forward, backward)
     if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
         raise recompute.PlanError("the backward does not receive what the forward saves")
     if config.budgeted:
