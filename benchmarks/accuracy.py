@@ -68,7 +68,7 @@ def run_one(args) -> dict:
 
     rank = runtime.init_distributed(args.device)
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0],
-                            overrides=_overrides(args.override))
+                            overrides=models.parse_overrides(args.override))
     model = models.build(spec, dtype=models.DTYPES[args.dtype], device=rank.device)
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
     samples: list[tuple[int, int, int, int]] = []
@@ -133,14 +133,6 @@ def run_one(args) -> dict:
     if args.probe_dump and rank.rank == 0:
         _dump_probes(Path(args.probe_dump), samples, estimate, forward, backward)
     return result
-
-
-def _overrides(pairs: list[str]) -> tuple[tuple[str, int], ...]:
-    out = []
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        out.append((key, int(value)))
-    return tuple(out)
 
 
 def _dump_probes(out: Path, samples, estimate, forward, backward) -> None:

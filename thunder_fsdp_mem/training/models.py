@@ -46,6 +46,18 @@ class ModelSpec:
             raise ValueError(f"unknown litgpt model {self.name!r}: {e}") from None
 
 
+def parse_overrides(pairs: list[str]) -> tuple[tuple[str, int], ...]:
+    """``FIELD=INT`` strings (a benchmark's repeated ``--override``) as ``ModelSpec.overrides``; ValueError names
+    the one that is not of that form."""
+    out = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if not key or not value.removeprefix("-").isdigit():
+            raise ValueError(f"--override takes FIELD=INT, got {pair!r}")
+        out.append((key, int(value)))
+    return tuple(out)
+
+
 class LossModel(torch.nn.Module):
     """``GPT`` followed by cross-entropy, so that ``thunder.jit`` sees (and frees) the whole step."""
 
