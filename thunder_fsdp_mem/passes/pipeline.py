@@ -99,8 +99,11 @@ def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Propos
     forward, backward = pair.forward, pair.backward
     if not recompute.saved_tensors(forward):
         # Nothing saved for backward (one of ThunderFX's graphs can be a few casts): nothing to recompute, and the
-        # backward unpacks no saved tensors. Under FSDP2 what it saves (nothing) meets any saved budget.
-        return Proposal(forward, backward)
+        # backward unpacks no saved tensors. A budget its peak misses is still said.
+        excess, short_of_the_cap = _excess(config)
+        e = context.estimate()
+        unmet = config.budgeted and excess(e) > 0
+        return Proposal(forward, backward, warning=_unmet(config, e, short_of_the_cap) if unmet else None)
     if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
         raise recompute.PlanError("the backward does not receive what the forward saves")
     if config.budgeted:
@@ -115,9 +118,9 @@ def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Propos
                     recomputed=recompute.recomputed_groups(forward, plan), seconds=plan.seconds)
 
 
-def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
-    """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
-    warning that names it and what is alive there, where they cannot be met."""
+def _excess(config: MemoryConfig) -> tuple[Callable[[StepMemory], int], Callable[[StepMemory], int] | None]:
+    """By how many bytes an estimate misses ``config``'s budgets (0 or less: it meets them), and what the cap
+    lacks in the allocator's replay of it (``cap_shortfall``; None without a cap)."""
     short_of_the_cap = cap_shortfall(config)
 
     def excess(estimate: StepMemory) -> int:
@@ -130,28 +133,42 @@ def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
             over.append(short_of_the_cap(estimate))
         return max(over)
 
+    return excess, short_of_the_cap
+
+
+def _wanted(config: MemoryConfig) -> str:
+    return ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
+                                                                ("saved", config.saved_budget),
+                                                                ("reserved under a cap of", config.memory_cap))
+                     if n is not None)
+
+
+def _unmet(config: MemoryConfig, e: StepMemory, short_of_the_cap: Callable[[StepMemory], int] | None) -> str:
+    """The warning for budgets that cannot be met: the least peak reachable, ``e``, and what is alive there."""
+    alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
+    warning = (f"could not meet the budget ({_wanted(config)}): the least reachable is a peak of "
+               f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
+               f"{format_bytes(e.saved_bytes)}; alive there: {alive}")
+    if short_of_the_cap is not None and short_of_the_cap(e):
+        warning += (f"; the caching allocator's replay of that plan misses the cap by "
+                    f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)")
+    return warning
+
+
+def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
+    warning that names it and what is alive there, where they cannot be met."""
+    excess, short_of_the_cap = _excess(config)
     found = budget.fit(pair.forward, pair.backward, excess=excess, judge=lambda f, b: context.estimator(f, b),
                        recompute_weight=config.recompute_weight)
-    wanted = ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
-                                                                  ("saved", config.saved_budget),
-                                                                  ("reserved under a cap of", config.memory_cap))
-                       if n is not None)
     e, plan = found.estimate, found.plan
-    warning = None
-    if not found.reached:
-        alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
-        warning = (f"could not meet the budget ({wanted}): the least reachable is a peak of "
-                   f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
-                   f"{format_bytes(e.saved_bytes)}; alive there: {alive}")
-        if short_of_the_cap is not None and short_of_the_cap(e):
-            warning += (f"; the caching allocator's replay of that plan misses the cap by "
-                        f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)")
+    warning = None if found.reached else _unmet(config, e, short_of_the_cap)
     if found.forward is pair.forward:
         return Proposal(pair.forward, pair.backward, warning=warning)
     price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"
-    note = (f"budget {wanted}: {'met' if found.reached else 'not met'} at {price}; saves {plan.after_bytes} bytes "
-            f"instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an estimated "
-            f"{1e3 * plan.seconds:.1f} ms")
+    note = (f"budget {_wanted(config)}: {'met' if found.reached else 'not met'} at {price}; saves "
+            f"{plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an "
+            f"estimated {1e3 * plan.seconds:.1f} ms")
     return Proposal(found.forward, found.backward, forward_checks=Checks(ignore_saved=True), note=note,
                     estimate=found.estimate, recomputed=found.recomputed, seconds=plan.seconds, warning=warning,
                     budgeted=config.saved_budget is not None)
