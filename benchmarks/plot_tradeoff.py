@@ -54,6 +54,16 @@ def curves(runs: list[dict]) -> tuple[dict[str, list[Point]], list[str]]:
     return families, left_out
 
 
+def _layers(model: str) -> int | str:
+    """The model's own number of blocks (a run without ``--n-layers``)."""
+    try:
+        from litgpt import Config
+
+        return Config.from_name(model).n_layer
+    except (ImportError, ValueError):
+        return "all"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+", help="benchmarks/compare.py --json output (one or more runs)")
@@ -103,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.annotate(f"cap {args.cap_gb:g} GB", (min(q.step_ms for q in points), cap), textcoords="offset points",
                     xytext=(0, 3), fontsize=6, color="grey")
     c = runs[0]["config"]
-    title = f"{c['model']}, {c['n_layers'] or 'all'} layers, {c['block_size']} tokens, {c['nproc_per_node']} rank(s)"
+    title = (f"{c['model']}, {c['n_layers'] or _layers(c['model'])} layers, {c['block_size']} tokens, "
+             f"{c['nproc_per_node']} rank(s)")
     if len(runs) > 1:
         title += f"; {len(runs)} runs"
     ax.set_title(title, fontsize=9)
