@@ -97,14 +97,16 @@ def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
 
 def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     forward, backward = pair.forward, pair.backward
-    if not recompute.saved_tensors(forward):
+    saved = recompute.saved_tensors(forward)
+    if not saved:
         # Nothing saved for backward (one of ThunderFX's graphs can be a few casts): nothing to recompute, and the
         # backward unpacks no saved tensors. A budget its peak misses is still said.
+        if not config.budgeted:
+            return Proposal(forward, backward)
         excess, short_of_the_cap = _excess(config)
         e = context.estimate()
-        unmet = config.budgeted and excess(e) > 0
-        return Proposal(forward, backward, warning=_unmet(config, e, short_of_the_cap) if unmet else None)
-    if [t.name for t in recompute.saved_tensors(forward)] != recompute.received(backward):
+        return Proposal(forward, backward, warning=_unmet(config, e, short_of_the_cap) if excess(e) > 0 else None)
+    if [t.name for t in saved] != recompute.received(backward):
         raise recompute.PlanError("the backward does not receive what the forward saves")
     if config.budgeted:
         return _fit_budget(pair, context, config)
