@@ -158,7 +158,8 @@ def validate(args) -> list[str]:
 
 
 VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters",
-                "fold": "fold_casts", "budget": "memory_budget", "ex": "executors", "amb": "amb"}
+                "fold": "fold_casts", "fr": "fusion_rematerialize", "budget": "memory_budget", "ex": "executors",
+                "amb": "amb"}
 
 
 def _executor_choice(value: str) -> str:
@@ -174,9 +175,11 @@ def _fraction(value: str) -> float:
     return fraction
 
 
-_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice,
+_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v],
+          "fr": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice,
           "budget": parse_bytes, "amb": _fraction}
-_EXPECTED = {"fold": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}", "amb": "a number from 0 to 1",
+_EXPECTED = {"fold": "0 or 1", "fr": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
+             "amb": "a number from 0 to 1",
              "budget": "a size (60GB, 55.9GiB)"}
 
 
@@ -194,8 +197,9 @@ class Variant:
 
 def split_variant(mode: str) -> Variant:
     """``thunder-fsdp+mem@w=0.1@ag=1@ex=fused`` -> ``Variant``: a mode with its own executors (``ex``), and for a +mem
-    mode its own recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters) or folded casts
-    (``fold``: 0 or 1), so that one table can hold several."""
+    mode its own recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters), folded casts
+    (``fold``: 0 or 1), fusion rematerialization (``fr``: 0 or 1) or memory budget (``budget``), so that one table
+    can hold several."""
     base, *parts = mode.split("@")
     options = {}
     for part in parts:

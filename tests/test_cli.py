@@ -198,6 +198,19 @@ def test_piped_stderr_shows_progress_lines_and_no_import_noise():
 
 
 
+def test_fusion_rematerialize_plans_fsdp2s_fused_blocks_to_save_less(tmp_path, capsys):
+    # As on CUDA, attention splits a ThunderFX block into two regions each way, and Thunder's rematerialization
+    # skips the second backward region: only the opt-in pass moves the MLP's cheap tail into it.
+    out = tmp_path / "r.json"
+    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "128", "--mode", "fsdp2",
+                 "--world-size", "1", "--executors", "fused", "--fusion-rematerialize", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    without, with_it = data["plans"]
+    assert with_it["saved_bytes"] < without["saved_bytes"] and with_it["peak_bytes"] < without["peak_bytes"]
+    (moved,) = [p for p in data["transform_passes"] if p["pass_name"] == "fusion rematerialization"]
+    assert moved["outcome"] == "applied"
+
+
 def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
     from thunder_fsdp_mem.reserved import rounded
 

@@ -90,6 +90,7 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
         (["--modes", "thunder-fsdp+mem@x=1", "--device", "cpu"], "unknown option 'x'"),
         (["--modes", "thunder-fsdp+mem@ag=0", "--device", "cpu"], "max_inflight_allgathers must be an int >= 1"),
         (["--modes", "thunder-fsdp+mem@fold=yes", "--device", "cpu"], "fold must be 0 or 1, got 'yes'"),
+        (["--modes", "fsdp2-thunder+mem@fr=2", "--device", "cpu"], "fr must be 0 or 1, got '2'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):

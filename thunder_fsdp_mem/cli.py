@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                              "fits SIZE per rank (80GB, 141GiB), without the transform and with it at that budget")
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
+    report.add_argument("--fusion-rematerialize", action="store_true",
+                        help="plan with MemoryConfig.fusion_rematerialize: backward fusions recompute what Thunder's "
+                             "rematerialization means them to (results then Thunder's rematerialized ones, which "
+                             "differ by rounding; implies --transform)")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
     report.add_argument("--measure", action="store_true",
                         help="also run one step for real, a probe after every symbol, and show it beside the "
@@ -107,6 +111,8 @@ def _validate(args) -> None:
         raise _UsageError(f"--top must be 0 or more, got {args.top}")
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.fusion_rematerialize:
+        args.transform = True
     if args.memory_budget is not None:
         args.memory_budget = _size(args.memory_budget, "--memory-budget")
         args.transform = True
@@ -226,7 +232,8 @@ def _report(args) -> int:
     if args.fit is not None:
         return _fit(args, spec, n_layers)
     cap = args.memory_cap if args.memory_budget is not None else None
-    plans = [None, MemoryConfig(memory_budget=args.memory_budget, memory_cap=cap)] if args.transform else [None]
+    plans = [None, MemoryConfig(memory_budget=args.memory_budget, memory_cap=cap,
+                                fusion_rematerialize=args.fusion_rematerialize)] if args.transform else [None]
     steps = []
     transform = None
     measured = None
@@ -302,7 +309,8 @@ def _fit(args, spec, n_layers: int) -> int:
                    dtype=models.DTYPES[args.dtype], executors=args.executors)
     fits = []
     try:
-        for label, config in (("without transform", None), ("with transform", MemoryConfig())):
+        for label, config in (("without transform", None),
+                              ("with transform", MemoryConfig(fusion_rematerialize=args.fusion_rematerialize))):
             traced = [0]
 
             def on_trace(label=label, traced=traced) -> None:

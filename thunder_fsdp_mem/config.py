@@ -20,6 +20,10 @@ class MemoryConfig:
         as one op in the 16-bit dtype, where ATen's kernel is known to give the same bits (``casts.py``).
     rematerialize: choose what the forward saves for backward by a minimum cut, recomputing cheap ops in
         backward (``recompute.py``).
+    fusion_rematerialize: have each backward fusion recompute the cheap tail of the forward fusions it reads from,
+        where Thunder's own rematerialization means to and its order of pairs stops it (``fusions.py``; under
+        ThunderFX a block's second backward region). Off by default: the results are then those of Thunder's
+        rematerialization, which differ from the run without it by rounding (a moved op runs in another kernel).
     recompute_weight: what one byte that recomputation reads or writes costs, in bytes saved for backward. The
         cut minimises saved bytes + ``recompute_weight`` x recomputation traffic: 0 saves the least whatever the
         recomputation costs; larger values recompute only where it saves much for little traffic (a float >= 0).
@@ -58,6 +62,7 @@ class MemoryConfig:
 
     fold_casts: bool = True
     rematerialize: bool = True
+    fusion_rematerialize: bool = False
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
     reorder: bool = True
     gathers: bool = True
@@ -73,7 +78,8 @@ class MemoryConfig:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fold_casts", "rematerialize", "reorder", "gathers", "scatters", "strict"):
+        for name in ("fold_casts", "rematerialize", "fusion_rematerialize", "reorder", "gathers", "scatters",
+                     "strict"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
         w = self.recompute_weight
         _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")

@@ -72,7 +72,7 @@ class FSDPMemoryTransform(Transform):
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         c = self.config
-        if not (c.fold_casts or c.rematerialize or c.gathers or c.scatters or c.reorder):
+        if not (c.fold_casts or c.rematerialize or c.fusion_rematerialize or c.gathers or c.scatters or c.reorder):
             return computation_trace
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             placeholder = from_trace(computation_trace)

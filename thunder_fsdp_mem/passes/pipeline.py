@@ -2,8 +2,10 @@
 
 ``pipeline(config, regather=...) -> list[driver.Pass]``:
 1. ``folded casts`` (``casts.fold_casts``): a 16-bit elementwise op Thunder brackets between casts, run as one op;
-2. ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed in backward;
-   with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
+2. ``fusion rematerialization`` (``fusions``; opt-in, ``fusion_rematerialize``): each backward fusion recomputes the
+   cheap tail of the forward fusions it reads from, as Thunder's own rematerialization means to and at times does
+   not; then ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed
+   in backward; with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
 3. ``folded casts after rematerialization``: the brackets of the upcasts the backward now recomputes (runs only
    where rematerialization was applied);
 4. ``order`` (``reorder.reorder_pair``): the trace that holds the peak in its lowest-peak order;
@@ -30,12 +32,12 @@ from thunder.core.pytree import tree_flatten
 from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
 from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, nbytes, sym_id
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import budget, casts, checks, gathers, recompute, reorder, scatters
+from thunder_fsdp_mem.passes import budget, casts, checks, fusions, gathers, recompute, reorder, scatters
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Pass, Proposal
 from thunder_fsdp_mem.reserved import over_cap
 from thunder_fsdp_mem.units import format_bytes
 
-FOLD, REMATERIALIZE, ORDER = "folded casts", "rematerialization", "order"
+FOLD, FUSIONS, REMATERIALIZE, ORDER = "folded casts", "fusion rematerialization", "rematerialization", "order"
 ALL_GATHERS, REDUCE_SCATTERS = "all-gathers", "reduce-scatters"
 
 
@@ -44,6 +46,8 @@ def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:
     passes = []
     if config.fold_casts:
         passes.append(Pass(FOLD, _fold))
+    if config.fusion_rematerialize:
+        passes.append(Pass(FUSIONS, _fusions))
     if config.rematerialize:
         passes.append(Pass(REMATERIALIZE, lambda pair, context: _rematerialize(pair, context, config)))
         if config.fold_casts:
@@ -62,6 +66,14 @@ def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:
 def _fold(pair: Pair, context: Context) -> Proposal:
     forward, backward = casts.fold_casts(pair.forward), casts.fold_casts(pair.backward)
     return Proposal(forward, backward)
+
+
+def _fusions(pair: Pair, context: Context) -> Proposal:
+    forward, backward, less = fusions.into_consumers(pair.forward, pair.backward)
+    if forward is pair.forward:
+        return Proposal(forward, backward)
+    return Proposal(forward, backward, forward_checks=Checks(ignore_saved=True),
+                    note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less")
 
 
 def estimator(config: MemoryConfig, pair: Pair) -> Estimator:

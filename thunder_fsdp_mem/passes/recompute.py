@@ -304,10 +304,10 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
 
 def received(backward: TraceCtx) -> list[str]:
     """Names of the saved tensors a backward trace unpacks, in order."""
-    return [o.name for o in backward.bound_symbols[_unpacking(backward.bound_symbols)["C0"]].flat_proxy_outs]
+    return [o.name for o in backward.bound_symbols[unpacking(backward.bound_symbols)["C0"]].flat_proxy_outs]
 
 
-def _unpacking(bsyms) -> dict[str, int]:
+def unpacking(bsyms) -> dict[str, int]:
     """Where Thunder's backward unpacks its saved tensors: ``saved_for_backward`` (``trivial``), its split into
     ``C0, C1`` (``split``), and ``C0`` into the tensors (``C0``)."""
     at = {}
@@ -328,7 +328,7 @@ def _receive(bsyms: list, saved: tuple) -> int:
     """Make the backward's symbols receive ``saved``, in place in the list ``bsyms``. The collections are proxies
     that list their members, so each is replaced by a copy that lists the new ones. Returns the index of
     ``... = C0``."""
-    at = _unpacking(bsyms)
+    at = unpacking(bsyms)
     old_whole = bsyms[at["trivial"]].output
     old_c0, *rest = old_whole.coll
     c0 = copy.copy(old_c0)

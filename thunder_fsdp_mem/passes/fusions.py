@@ -1,0 +1,116 @@
+"""Recompute in a backward fusion the cheap tail of the forward fusion that feeds it, as Thunder means to.
+
+``into_consumers(forward, backward) -> (forward, backward, moved)``. Thunder fuses the joint forward and backward
+trace and then rematerializes between each producer fusion and each consumer fusion
+(``thunder.core.rematerialization.rematerialize``): the producer returns a minimum cut of its values (never
+past a matmul, a reduction or a random op) and the consumer recomputes the rest from it. The pairs are taken in
+order, and a consumer updated by an earlier pair stays, under its old identity, among the "other consumers" of
+every later producer (the global check of ``find_external_producer_outputs`` compares the updated consumer with
+the map of the original symbols). So once a backward fusion has taken recomputation from one forward fusion, no
+later forward fusion can move anything into it: everything it reads from them is saved as computed. Under
+``thunder.jit`` a block's backward regions rarely meet that order; under ThunderFX (FSDP2's path) the second
+backward region of a block reads from both forward regions, and the block saves the float32 upcasts and layer
+norm intermediates of its MLP half (stablecode-3b, fused executors: 430 MiB a block at 2048 tokens instead of
+120 MiB).
+
+This pass takes the pairs again on the split traces, forward fusion to backward fusion, with each output's other
+readers counted by the original symbols, and applies Thunder's own cut and rewrite
+(``find_cut``, ``apply_rematerialization_for_producer`` and ``..._for_consumer``) where the cut is smaller than
+what the producer returns now. The producer and consumer fusions get new callables from their executor
+(``_update_fusion_call_ctx``), the forward saves the new cut, the backward unpacks it. The moved symbols are
+Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
+
+The results are then those of Thunder's rematerialization, bit for bit where Thunder's own takes the same pair
+(``tests/test_fusions.py``, CPU), and not those of the run without it: a value computed in another kernel can
+round differently (on CPU, up to a unit in the last place of bf16 in the gradients). So the pass is opt-in:
+``MemoryConfig.fusion_rematerialize``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from thunder.core import rematerialization as remat
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
+from thunder.core.trace import TraceCtx, from_trace
+from thunder.executors.passes import _update_fusion_call_ctx
+
+from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
+from thunder_fsdp_mem.passes import recompute
+
+
+def into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
+    """``forward`` and ``backward`` with each forward fusion's cut to each backward fusion taken again (see the
+    module's docstring), and the bytes the forward saves less; the traces themselves and 0 where nothing moves."""
+    saved = recompute.saved_tensors(forward)
+    fw = without_dels(forward.bound_symbols)
+    bw = without_dels(backward.bound_symbols)
+    readers: dict[str, list] = defaultdict(list)  # proxy name -> the symbols that read it, original identities
+    for b in (*fw, *bw):
+        if b.sym.id == PrimIDs.RETURN:
+            continue
+        for name in {p.name for p in b.flat_proxy_args}:
+            readers[name].append(b)
+    returned = {p.name for p in tree_flatten(fw[-1].args[0])[0] if isinstance(p, TensorProxy)}
+    saved_names = {t.name for t in saved}
+    producers = [b for b in fw if is_fusion(b)]
+    consumers = [b for b in bw if is_fusion(b)]
+    at = {id(b): i for i, b in enumerate(consumers)}
+    current = {id(b): b for b in (*producers, *consumers)}
+    for producer in producers:
+        readers_of = {o.name: readers[o.name] for o in producer.flat_proxy_outs}
+        mine = sorted({id(c) for o in producer.flat_proxy_outs if o.name in saved_names for c in readers_of[o.name]
+                       if id(c) in at}, key=at.get)
+        kept: tuple = ()
+        for c_id in mine:
+            consumer = consumers[at[c_id]]
+            p_now, c_now = current[id(producer)], current[c_id]
+            external = tuple(o for o in p_now.output if isinstance(o, TensorProxy)
+                             and (o.name in returned or any(r is not consumer for r in readers_of.get(o.name, ()))))
+            cut = remat.find_cut(external, p_now, c_now)
+            if not cut:
+                continue
+            c_new = remat.apply_rematerialization_for_consumer(p_now, c_now, cut)
+            if c_new is c_now:  # it reads the cut already: Thunder took this pair
+                continue
+            current[id(producer)] = remat.apply_rematerialization_for_producer(external + kept, p_now, cut)
+            current[c_id] = c_new
+            kept += tuple(cut)
+    originals = {id(b): b for b in (*producers, *consumers)}
+    updated = {k: _update_fusion_call_ctx(b) for k, b in current.items() if b is not originals[k]}
+    if not updated:
+        return forward, backward, 0
+    new_fw = [updated.get(id(b), b) for b in fw]
+    new_bw = [updated.get(id(b), b) for b in bw]
+    return _resaved(forward, backward, new_fw, new_bw, saved)
+
+
+def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[TraceCtx, TraceCtx, int]:
+    """The traces with the rewritten symbols, the forward saving what the backward now reads from it: the tensors
+    saved before that it still reads, in their order, then the new ones in the forward's order."""
+    unpacking = recompute.unpacking(new_bw)["C0"]  # the saved tensors: defined there, received from the forward
+    defined_in_bw = {p.name for i, b in enumerate(new_bw) if i != unpacking for p in b.flat_proxy_outs}
+    read_in_bw = {p.name for b in new_bw for p in b.flat_proxy_args} - defined_in_bw
+    produced = {}
+    for b in new_fw:
+        for p in b.flat_proxy_outs:
+            produced.setdefault(p.name, p)
+    for p in forward.args:
+        if isinstance(p, TensorProxy):
+            produced.setdefault(p.name, p)
+    kept = [t.name for t in saved if t.name in read_in_bw]
+    new = [n for n in produced if n in read_in_bw and n not in kept and isinstance(produced[n], TensorProxy)]
+    plan = recompute.SavePlan(saved=(*kept, *new), recompute=(),
+                              before_bytes=sum(nbytes(t) for t in saved),
+                              after_bytes=sum(nbytes(produced[n]) for n in (*kept, *new)))
+    fw_trace, bw_trace = _with(forward, new_fw), _with(backward, new_bw)
+    new_forward, new_backward = recompute.apply_plan(fw_trace, bw_trace, plan)
+    return new_forward, new_backward, plan.before_bytes - plan.after_bytes
+
+
+def _with(trace: TraceCtx, bsyms: list) -> TraceCtx:
+    new = from_trace(trace)
+    new.bound_symbols = list(bsyms)
+    return new
