@@ -65,20 +65,21 @@ def test_it_is_off_unless_asked():
         MemoryConfig(fusion_rematerialize=1)
 
 
-@pytest.mark.parametrize("case", ["stablecode-completion-alpha-3b"])
-def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(case):
+@pytest.fixture(scope="module")
+def block():
+    """A stablecode-3b ThunderFX block traced as on CUDA: its traces, and the forward Thunder's rematerialization
+    gives when each consumer's other readers are counted by the original symbols (the consumer a pair updated is
+    mapped back to the one it replaced)."""
     import thunder.core.rematerialization as remat
     from litgpt import GPT
     from thunder.dynamo import ThunderCompiler
 
     from thunder_fsdp_mem.predict.meta import as_on
 
-    spec = models.ModelSpec(name=case, n_layers=1, block_size=256)
+    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=256)
     chosen = runtime.executors("fused")
 
     def block_traces(corrected: bool):
-        """The block's traces; ``corrected``: Thunder's rematerialization with each consumer's other readers
-        counted by the original symbols (the consumer a pair updated is mapped back to the one it replaced)."""
         original = {}
         find, consumer = remat.find_external_producer_outputs, remat.apply_rematerialization_for_consumer
 
@@ -112,6 +113,13 @@ def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(case):
 
     forward, backward = block_traces(corrected=False)
     meant, _ = block_traces(corrected=True)
+    return spec, chosen, forward, backward, meant
+
+
+def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(block):
+    from thunder_fsdp_mem.predict.meta import as_on
+
+    spec, chosen, forward, backward, meant = block
     with as_on("cuda", chosen):
         new_forward, new_backward, less = fusions.into_consumers(forward, backward)
     saved = recompute.saved_tensors(new_forward)
@@ -119,3 +127,15 @@ def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(case):
     T = spec.block_size
     assert not [t.name for t in saved if t.dtype == thunder.dtypes.float32 and t.numel() > T * 32]  # lse: (1, 32, T)
     assert recompute.received(new_backward) == [t.name for t in saved]
+
+
+def test_a_pair_thunders_helpers_refuse_leaves_the_traces_to_the_driver(block):
+    import thunder.core.rematerialization as remat
+
+    _, _, forward, backward, _ = block
+
+    def refuse(*args):
+        raise RuntimeError("Failed to compute the min-cut on the graph")
+
+    with patch.object(remat, "find_cut", new=refuse), pytest.raises(fusions.FusionError, match="min-cut"):
+        fusions.into_consumers(forward, backward)

@@ -39,11 +39,27 @@ from thunder.executors.passes import _update_fusion_call_ctx
 
 from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
 from thunder_fsdp_mem.passes import recompute
+from thunder_fsdp_mem.passes.driver import PassError
+
+
+class FusionError(PassError):
+    """Thunder's rematerialization helpers did not take a pair of these traces' fusions."""
 
 
 def into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
     """``forward`` and ``backward`` with each forward fusion's cut to each backward fusion taken again (see the
-    module's docstring), and the bytes the forward saves less; the traces themselves and 0 where nothing moves."""
+    module's docstring), and the bytes the forward saves less; the traces themselves and 0 where nothing moves.
+    Raises ``FusionError`` where Thunder's helpers fail on them (the driver then keeps the traces, with a warning)."""
+    try:
+        return _into_consumers(forward, backward)
+    except (RuntimeError, AssertionError, ValueError, KeyError, NotImplementedError) as e:
+        if isinstance(e, PassError):
+            raise
+        raise FusionError(f"Thunder's rematerialization did not take these fusions: {type(e).__name__}: {e}") \
+            from e
+
+
+def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
     saved = recompute.saved_tensors(forward)
     fw = without_dels(forward.bound_symbols)
     bw = without_dels(backward.bound_symbols)
