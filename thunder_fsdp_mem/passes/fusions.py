@@ -1,24 +1,24 @@
 """Recompute in a backward fusion the cheap tail of the forward fusion that feeds it, as Thunder means to.
 
-``into_consumers(forward, backward) -> (forward, backward, moved)``. Thunder fuses the joint forward and backward
-trace and then rematerializes between each producer fusion and each consumer fusion
+``into_consumers(forward, backward) -> (forward, backward, bytes the forward saves less)``. Thunder fuses the
+joint forward and backward trace and then rematerializes between each producer fusion and each consumer fusion
 (``thunder.core.rematerialization.rematerialize``): the producer returns a minimum cut of its values (never
 past a matmul, a reduction or a random op) and the consumer recomputes the rest from it. The pairs are taken in
 order, and a consumer updated by an earlier pair stays, under its old identity, among the "other consumers" of
 every later producer (the global check of ``find_external_producer_outputs`` compares the updated consumer with
 the map of the original symbols). So once a backward fusion has taken recomputation from one forward fusion, no
 later forward fusion can move anything into it: everything it reads from them is saved as computed. Under
-``thunder.jit`` a block's backward regions rarely meet that order; under ThunderFX (FSDP2's path) the second
-backward region of a block reads from both forward regions, and the block saves the float32 upcasts and layer
-norm intermediates of its MLP half (stablecode-3b, fused executors: 430 MiB a block at 2048 tokens instead of
-120 MiB).
+``thunder.jit`` the regions of stablecode-3b's blocks pair in an order this does not stop (12 layers, fused:
+nothing left to move); under ThunderFX (FSDP2's path) the second backward region of a block reads from both
+forward regions, and the block saves the float32 upcasts and layer norm intermediates of its MLP half
+(stablecode-3b, fused executors: 430 MiB a block at 2048 tokens instead of 120 MiB).
 
 This pass takes the pairs again on the split traces, forward fusion to backward fusion, with each output's other
-readers counted by the original symbols, and applies Thunder's own cut and rewrite
-(``find_cut``, ``apply_rematerialization_for_producer`` and ``..._for_consumer``) where the cut is smaller than
-what the producer returns now. The producer and consumer fusions get new callables from their executor
-(``_update_fusion_call_ctx``), the forward saves the new cut, the backward unpacks it. The moved symbols are
-Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
+readers counted by the original symbols, and applies Thunder's own cut and rewrite (``find_cut``,
+``apply_rematerialization_for_producer`` and ``..._for_consumer``) where the consumer does not read the cut
+already (where it does, Thunder took the pair). The producer and consumer fusions get new callables from their
+executor (``_update_fusion_call_ctx``), the forward saves the new cut, the backward unpacks it. The moved symbols
+are Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
 
 The results are then those of Thunder's rematerialization, bit for bit where Thunder's own takes the same pair
 (``tests/test_fusions.py``, CPU), and not those of the run without it: a value computed in another kernel can
