@@ -22,8 +22,8 @@ are Thunder's: elementwise ops, casts and reshapes, computed in the backward fus
 
 The results are then those of Thunder's rematerialization, bit for bit where Thunder's own takes the same pair
 (``tests/test_fusions.py``, CPU), and not those of the run without it: a value computed in another kernel can
-round differently (on CPU, up to a unit in the last place of bf16 in the gradients). So the pass is opt-in:
-``MemoryConfig.fusion_rematerialize``.
+round differently (on CPU, a 1-layer NeoX in bf16: 49% of the gradients' elements differ, by up to 0.76% of each
+gradient's largest element). So the pass is opt-in: ``MemoryConfig.fusion_rematerialize``.
 """
 
 from __future__ import annotations
