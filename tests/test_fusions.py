@@ -20,9 +20,9 @@ import torch
 
 from configs import BY_NAME
 from thunder_fsdp_mem.analysis.symbols import nbytes
+from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.driver import Outcome
-from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
 from thunder_fsdp_mem.training import models, modes, runtime
 
