@@ -4,10 +4,9 @@ prints one ``RESULT {json}`` line per configuration and rank with MemTracker's p
 import sys
 
 import thunder
-import torch.distributed as dist
 
 from configs import BY_NAME
-from support import memtracker_peak
+from support import exit_worker, memtracker_peak
 from thunder_fsdp_mem import estimate_step
 from thunder_fsdp_mem.training import models, runtime
 
@@ -31,7 +30,7 @@ def main(configurations: list[str]) -> None:
                    "gathered_saved": sum(1 for a in estimate.forward.allocations
                                          if a.category.value == "gathered parameter" and a.end is None)}
             runtime.print_result(row)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import warnings
 
 import thunder
 import torch
-import torch.distributed as dist
 from thunder.core.prims import PrimIDs
 
 from configs import BY_NAME
+from support import exit_worker
 from thunder_fsdp_mem import FSDPMemoryTransform, analyze
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.config import MemoryConfig
@@ -170,7 +170,7 @@ def main(*args: str) -> None:
                         "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
                         "held": inputs_held_until_waits(backward)})
         runtime.print_result(row)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 def _equal(a: list, b: list) -> bool:

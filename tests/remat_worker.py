@@ -6,10 +6,9 @@ import dataclasses
 import sys
 
 import torch
-import torch.distributed as dist
 
 from configs import BY_NAME
-from support import saved_bytes
+from support import exit_worker, saved_bytes
 from thunder_fsdp_mem.training import models, modes, runtime
 
 
@@ -41,7 +40,7 @@ def main(family: str, dtype_name: str) -> None:
                "grads_equal": len(grads) == len(grads_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m)),
                "n_grads": len(grads), "saved": saved, "saved_mem": saved_m}
         runtime.print_result(row)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":
