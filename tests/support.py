@@ -66,3 +66,16 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def upstream():
+    """``docs/upstream/reproduce.py`` as a module, loaded once (it registers an executor when imported)."""
+    import importlib.util
+
+    name = "thunder_fsdp_mem_upstream_reproduce"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "upstream" / "reproduce.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

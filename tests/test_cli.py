@@ -131,8 +131,8 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     # What the transform did, pass by pass: the saved bytes of the first pair's last applied pass are what the plan
     # without it saves before and the plan with it saves after (the same traces, estimated step by step).
     passes = report["transform_passes"]
-    assert "What the transform did" in text and [p["pass_name"] for p in passes][:2] == ["folded casts",
-                                                                                          "rematerialization"]
+    assert "What the transform did" in text and [p["pass_name"] for p in passes][:3] == [
+        "folded casts", "fusion rematerialization", "rematerialization"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
     # The JSON names the plan of its top-level figures, carries the settings and the versions, and, per plan, the
@@ -198,17 +198,23 @@ def test_piped_stderr_shows_progress_lines_and_no_import_noise():
 
 
 
-def test_fusion_rematerialize_plans_fsdp2s_fused_blocks_to_save_less(tmp_path, capsys):
+def test_fusion_rematerialize_is_on_by_default_and_plans_fsdp2s_fused_blocks_to_save_less(tmp_path, capsys):
     # As on CUDA, attention splits a ThunderFX block into two regions each way, and Thunder's rematerialization
-    # skips the second backward region: only the opt-in pass moves the MLP's cheap tail into it.
-    out = tmp_path / "r.json"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "128", "--mode", "fsdp2",
-                 "--world-size", "1", "--executors", "fused", "--fusion-rematerialize", "--json", str(out)]) == 0
-    data = json.loads(out.read_text())
+    # skips the second backward region: the pass, on by default, moves the MLP's cheap tail into it; with
+    # --no-fusion-rematerialize the block saves what it saved without the transform.
+    def plans(*flags):
+        out = tmp_path / "r.json"
+        assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "128", "--mode", "fsdp2",
+                     "--world-size", "1", "--executors", "fused", *flags, "--json", str(out)]) == 0
+        return json.loads(out.read_text())
+
+    data = plans("--transform")
     without, with_it = data["plans"]
     assert with_it["saved_bytes"] < without["saved_bytes"] and with_it["peak_bytes"] < without["peak_bytes"]
     (moved,) = [p for p in data["transform_passes"] if p["pass_name"] == "fusion rematerialization"]
     assert moved["outcome"] == "applied"
+    without, opted_out = plans("--no-fusion-rematerialize")["plans"]
+    assert opted_out["saved_bytes"] == without["saved_bytes"]
 
 
 def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):

@@ -69,10 +69,11 @@ def _parser() -> argparse.ArgumentParser:
                              "fits SIZE per rank (80GB, 141GiB), without the transform and with it at that budget")
     report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
                         help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
-    report.add_argument("--fusion-rematerialize", action="store_true",
-                        help="plan with MemoryConfig.fusion_rematerialize: backward fusions recompute what Thunder's "
-                             "rematerialization means them to (results then Thunder's rematerialized ones, which "
-                             "differ by rounding; implies --transform)")
+    report.add_argument("--fusion-rematerialize", action=argparse.BooleanOptionalAction, default=None,
+                        help="MemoryConfig.fusion_rematerialize, on by default: backward fusions recompute what "
+                             "Thunder's rematerialization means them to (results Thunder's rematerialized ones); "
+                             "--no-fusion-rematerialize plans with it off (results bit for bit the untransformed "
+                             "run's). Either implies --transform")
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
     report.add_argument("--measure", action="store_true",
                         help="also run one step for real, a probe after every symbol, and show it beside the "
@@ -111,8 +112,10 @@ def _validate(args) -> None:
         raise _UsageError(f"--top must be 0 or more, got {args.top}")
     if args.world_size is not None and args.world_size < 1:
         raise _UsageError(f"--world-size must be at least 1, got {args.world_size}")
-    if args.fusion_rematerialize:
+    if args.fusion_rematerialize is not None:
         args.transform = True
+    else:
+        args.fusion_rematerialize = True
     if args.memory_budget is not None:
         args.memory_budget = _size(args.memory_budget, "--memory-budget")
         args.transform = True

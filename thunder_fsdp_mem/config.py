@@ -22,8 +22,11 @@ class MemoryConfig:
         backward (``recompute.py``).
     fusion_rematerialize: have each backward fusion recompute the cheap tail of the forward fusions it reads from,
         where Thunder's own rematerialization means to and its order of pairs stops it (``fusions.py``; under
-        ThunderFX a block's second backward region). Off by default: the results are then those of Thunder's
-        rematerialization, which differ from the run without it by rounding (a moved op runs in another kernel).
+        ThunderFX a block's second backward region, which otherwise saves float32 intermediates). On by default;
+        it changes something only where a fusion executor ran (nvFuser, torch.compile). The results are then
+        those of the program Thunder means to run, its rematerialized one, not bit for bit those of the run without
+        the transform: a moved op runs in the backward's kernel, which can round differently. False: every pass
+        keeps the untransformed run's results bit for bit.
     recompute_weight: what one byte that recomputation reads or writes costs, in bytes saved for backward. The
         cut minimises saved bytes + ``recompute_weight`` x recomputation traffic: 0 saves the least whatever the
         recomputation costs; larger values recompute only where it saves much for little traffic (a float >= 0).
@@ -62,7 +65,7 @@ class MemoryConfig:
 
     fold_casts: bool = True
     rematerialize: bool = True
-    fusion_rematerialize: bool = False
+    fusion_rematerialize: bool = True
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT
     reorder: bool = True
     gathers: bool = True

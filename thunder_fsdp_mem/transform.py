@@ -1,7 +1,8 @@
 """``FSDPMemoryTransform``: the Thunder glue. It holds the configuration and hands each forward and its backward to
 the passes (``passes.pipeline``) through the pass driver (``passes.driver``), which checks each rewrite, keeps it
-only if the step's estimated peak does not rise, and records it; the traces it returns compute exactly what the
-traces it received compute.
+only if the step's estimated peak does not rise, and records it. The traces it returns compute exactly what the
+traces it received compute, except where a fusion executor ran and Thunder's own rematerialization meant a backward
+fusion to recompute what it did not (``passes.fusions``): those results are Thunder's rematerialized ones.
 
 Thunder calls ``transform_trace_post_optimization`` on a forward execution trace and right after on its
 backward (under ``thunder.jit``, Thunder's ``fsdp`` and each ThunderFX subgraph alike). What the forward saves can
@@ -25,7 +26,8 @@ from thunder_fsdp_mem.units import format_bytes
 
 
 class FSDPMemoryTransform(Transform):
-    """Lowers the memory of Thunder execution traces under FSDP without changing their results.
+    """Lowers the memory of Thunder execution traces under FSDP, keeping the results of the program Thunder means
+    to run.
 
     Example::
 
@@ -38,6 +40,12 @@ class FSDPMemoryTransform(Transform):
         print(transform.summary())   # what each pass did to each forward/backward pair
         # FSDP2 through ThunderFX:
         # torch.compile(model, backend=ThunderCompiler(transforms=[FSDPMemoryTransform()]))
+
+    Results: with fusion executors (nvFuser, torch.compile) a backward fusion recomputes what Thunder's own
+    rematerialization means it to and its order of pairs stopped (``MemoryConfig.fusion_rematerialize``, on by
+    default; under ThunderFX the float32 intermediates of each block): the results are then Thunder's
+    rematerialized ones, which differ from the run without the transform by rounding. Every other pass, and every
+    pass with ``MemoryConfig(fusion_rematerialize=False)``, keeps the untransformed run's results bit for bit.
 
     It runs each 16-bit elementwise op that Thunder brackets between float32 casts as one op where ATen gives the
     same bits (``MemoryConfig.fold_casts``); it chooses what the forward saves for backward

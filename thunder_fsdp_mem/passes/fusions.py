@@ -22,8 +22,10 @@ are Thunder's: elementwise ops, casts and reshapes, computed in the backward fus
 
 The results are then those of Thunder's rematerialization, bit for bit where Thunder's own takes the same pair
 (``tests/test_fusions.py``, CPU), and not those of the run without it: a value computed in another kernel can
-round differently (on CPU, a 1-layer NeoX in bf16: 49% of the gradients' elements differ, by up to 0.76% of each
-gradient's largest element). So the pass is opt-in: ``MemoryConfig.fusion_rematerialize``.
+round differently (``docs/design.md``, "Fusion rematerialization"). It is on by default, as Thunder's own
+rematerialization is wherever a fusion executor runs; ``MemoryConfig(fusion_rematerialize=False)`` turns it off,
+and with it every pass keeps the untransformed run's results bit for bit. Where Thunder's rematerialization took
+every pair (``thunder.jit``, or a Thunder with the check corrected, ``docs/upstream/``), nothing moves.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 ``pipeline(config, regather=...) -> list[driver.Pass]``:
 1. ``folded casts`` (``casts.fold_casts``): a 16-bit elementwise op Thunder brackets between casts, run as one op;
-2. ``fusion rematerialization`` (``fusions``; opt-in, ``fusion_rematerialize``): each backward fusion recomputes the
-   cheap tail of the forward fusions it reads from, as Thunder's own rematerialization means to and at times does
-   not; then ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed
+2. ``fusion rematerialization`` (``fusions``; ``fusion_rematerialize``, on by default): each backward fusion
+   recomputes the cheap tail of the forward fusions it reads from, as Thunder's own rematerialization means to and at
+   times does not; then ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed
    in backward; with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
 3. ``folded casts after rematerialization``: the brackets of the upcasts the backward now recomputes (runs only
    where rematerialization was applied);
