@@ -479,15 +479,15 @@ def _injected_oom(rank: int):
 
 
 def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) -> MemoryConfig:
-    """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as the prediction on
-    the meta device finds it (``fsdp2.fit_budget``); every rank finds the same."""
-    from thunder_fsdp_mem.predict import fsdp2
+    """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as a user gets it from
+    Python (``plan_fsdp2``, the prediction on the meta device); every rank finds the same."""
+    from thunder_fsdp_mem import plan_fsdp2
     from thunder_fsdp_mem.training import models
 
-    _, config, _ = fsdp2.fit_budget(spec, memory, world_size=rank.world_size, shard=args.shard,
-                                    device_type=args.device, dtype=models.DTYPES[args.dtype],
-                                    micro_batch_size=args.micro_batch_size, executors=executors)
-    return config
+    return plan_fsdp2(spec.config(), memory_budget=memory.memory_budget, memory_cap=memory.memory_cap,
+                      tokens=args.block_size, micro_batch_size=args.micro_batch_size, world_size=rank.world_size,
+                      shard=args.shard, dtype=models.DTYPES[args.dtype], executors=executors,
+                      device_type=args.device, config=memory)
 
 
 @contextmanager

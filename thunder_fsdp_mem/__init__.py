@@ -4,6 +4,8 @@
 - ``estimate_step(fn) -> StepMemory``: peak memory of one forward and backward of a jitted module;
   ``estimate_traces(forward, backward)``: the same from two execution traces.
 - ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
+- ``plan_fsdp2(model, memory_budget=..., tokens=...) -> MemoryConfig``: the transform's configuration that fits a
+  per-rank budget under FSDP2 through ThunderFX.
 
 The names are imported when first asked for, so that importing a module of the package (the CLI's, whose
 ``--help`` answers at once) does not import Thunder and torch.
@@ -23,6 +25,7 @@ _WHERE = {
     "MemoryConfig": "thunder_fsdp_mem.config",
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
     "format_bytes": "thunder_fsdp_mem.units",
+    "plan_fsdp2": "thunder_fsdp_mem.predict.plan",
 }
 
 __all__ = sorted(_WHERE)

@@ -19,6 +19,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 from thunder.distributed import FSDPType
 
+from thunder_fsdp_mem.analysis.step import parameter_order
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
 from thunder_fsdp_mem.passes.pipeline import cap_shortfall, estimator, pipeline
@@ -97,8 +98,10 @@ class FSDPMemoryTransform(Transform):
                 return computation_trace
             placeholder, forward = pending
             pair = Pair(forward, computation_trace)
+            cd = get_compile_data()
             pair, records = run_passes(pair, pipeline(c, regather=self._regathers()), on_refused=self._refused,
-                                       on_warning=self._warned, index=self._pairs, estimator=estimator(c, pair),
+                                       on_warning=self._warned, index=self._pairs,
+                                       estimator=estimator(c, pair, parameter_order(getattr(cd, "fn", None))),
                                        shortfall=cap_shortfall(c))
             self._pairs += 1
             self.rewrites.extend(records)

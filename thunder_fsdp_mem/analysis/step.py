@@ -31,7 +31,7 @@ The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.Mem
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -381,7 +381,7 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
     forward_trace, backward_trace = _last_traces(fn)
     qualnames = dict(_qualnames(fn))
     return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
-                    _optimizer_state(optimizer, qualnames), loss, device_type=device_type,
+                    _optimizer_state(optimizer, qualnames, device_type), loss, device_type=device_type,
                     parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
                     optimizer_step=_optimizer_step(optimizer, device_type))
 
@@ -413,26 +413,54 @@ def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | N
 
 
 def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
-    """The state AdamW will hold for the parameters a forward/backward pair trains (``_trained``): two moments the
-    size of each parameter (the shard, under FSDP)."""
-    state = []
-    for arg in _trained(forward_trace, backward_trace):
-        for moment in ("exp_avg", "exp_avg_sq"):
-            state.append(held_allocation(optimizer_state_name("AdamW", moment, parameter_path(arg.name) or arg.name),
-                                         nbytes(arg), Category.OPTIMIZER_STATE, shape=arg.shape,
-                                         dtype=dtype_name(arg), symbol="anticipated"))
-    return tuple(state)
+    """The state AdamW will hold for the parameters a forward/backward pair trains (``_trained``), as
+    ``estimate_step`` anticipates an optimizer's state (``adam_state``): two moments the size of each parameter (the
+    shard, under FSDP) and, on CPU, its step count."""
+    trained = _trained(forward_trace, backward_trace)
+    on = device.device_type(trained[0]) if trained else "cpu"
+    return tuple(a for arg in trained
+                 for a in adam_state("AdamW", parameter_path(arg.name) or arg.name, nbytes(arg), tuple(arg.shape),
+                                     dtype_name(arg), device_type=on))
 
 
-def anticipated_adamw_step(forward_trace, backward_trace) -> Allocation | None:
-    """What AdamW's step will add at its peak over the parameters the pair trains (``adam_step_allocation``), run
-    as torch runs it by default on the pair's device (``analysis.device``): ``foreach`` on CUDA, else ``single
-    tensor``. None where the pair trains nothing."""
+def adam_state(optimizer: str, parameter: str, nbytes_: int, shape: tuple, dtype: str, *, device_type: str,
+               amsgrad: bool = False, step_on_device: bool = False) -> list[Allocation]:
+    """The state Adam and AdamW (torch 2.11) create for one parameter in their first step, as the device of
+    ``device_type`` holds it: ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) shaped like the
+    parameter, and a float32 ``step`` count, which lives on the host unless the optimizer is fused or capturable
+    (``step_on_device``): counted on CPU, or where it is on the device."""
+    keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+    state = [held_allocation(optimizer_state_name(optimizer, key, parameter), nbytes_, Category.OPTIMIZER_STATE,
+                             shape=shape, dtype=dtype, symbol="anticipated") for key in keys]
+    if step_on_device or device_type == "cpu":
+        state.append(held_allocation(optimizer_state_name(optimizer, "step", parameter), 4, Category.OPTIMIZER_STATE,
+                                     dtype="f32", symbol="anticipated"))
+    return state
+
+
+def anticipated_adamw_step(forward_trace, backward_trace, order: Sequence[str] = ()) -> Allocation | None:
+    """What AdamW's step will add at its peak over the parameters the pair trains (``adam_step_allocation``, the
+    function ``estimate_step`` counts an optimizer's step with), run as torch runs it by default on the pair's
+    device (``analysis.device``): ``foreach`` on CUDA, else ``single tensor``, whose temporaries depend on the order
+    it steps the parameters in. ``order``: the trace names of the model's parameters in the optimizer's order
+    (``parameter_order``); the pair's parameters are stepped in it, those it does not name after them in the pair's
+    order. None where the pair trains nothing."""
     trained = _trained(forward_trace, backward_trace)
     if not trained:
         return None
+    rank = {name: i for i, name in enumerate(order)}
+    trained.sort(key=lambda a: rank.get(a.name, len(rank)))  # stable: the rest keep the pair's order
     kind = "foreach" if device.device_type(trained[0]) == "cuda" else "single tensor"
     return adam_step_allocation("AdamW", [(nbytes(a), dtype_name(a)) for a in trained], kind)
+
+
+def parameter_order(module) -> tuple[str, ...]:
+    """The names ``thunder.jit`` gives ``module``'s parameters in its traces (``t_`` + qualified name, ``_`` for
+    ``.``), in the order of ``module.parameters()``: the order an optimizer built on them steps them in. Nothing for
+    what is not an ``nn.Module``."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    return tuple("t_" + q.replace(".", "_") for q, _ in module.named_parameters())
 
 
 def _trained(forward_trace, backward_trace) -> list:
@@ -552,11 +580,11 @@ def optimizer_state_name(optimizer: torch.optim.Optimizer | str, key: str, param
     return f"{kind} {key} of {parameter}"
 
 
-def _optimizer_state(optimizer, qualnames: dict[int, str]) -> list[Allocation]:
+def _optimizer_state(optimizer, qualnames: dict[int, str], device_type: str | None) -> list[Allocation]:
     if optimizer is None:
         return []
     if not optimizer.state:
-        return _anticipated_adam_state(optimizer, qualnames)
+        return _anticipated_adam_state(optimizer, qualnames, device_type)
     records: dict[object, Allocation] = {}
     for i, (param, per_param) in enumerate(optimizer.state.items()):
         for key, t in per_param.items():
@@ -567,10 +595,10 @@ def _optimizer_state(optimizer, qualnames: dict[int, str]) -> list[Allocation]:
     return list(records.values())
 
 
-def _anticipated_adam_state(optimizer, qualnames: dict[int, str]) -> list[Allocation]:
-    """The state Adam and AdamW create in their first step: ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``
-    with amsgrad) shaped like each parameter that requires a gradient, and a float32 ``step``. Other optimizers
-    without state yet: none, with a warning (their state is counted once it exists)."""
+def _anticipated_adam_state(optimizer, qualnames: dict[int, str], device_type: str | None) -> list[Allocation]:
+    """The state Adam and AdamW create in their first step (``adam_state``) for each parameter that requires a
+    gradient, on ``device_type`` (None: the parameters'). Other optimizers without state yet: none, with a warning
+    (their state is counted once it exists)."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         warnings.warn(f"estimate_step: {type(optimizer).__name__} has no state yet and its state is not "
                       "anticipated; run one optimizer step first to count it", stacklevel=3)
@@ -578,14 +606,10 @@ def _anticipated_adam_state(optimizer, qualnames: dict[int, str]) -> list[Alloca
     records = []
     params = [(group, p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     for i, (group, param) in enumerate(params):
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg", "exp_avg_sq")
-        name = qualnames.get(id(param), f"parameter #{i}")
-        for key in keys:
-            records.append(held_allocation(optimizer_state_name(optimizer, key, name),
-                                           param.numel() * param.element_size(), Category.OPTIMIZER_STATE,
-                                           shape=param.shape, dtype=dtype_name(param), symbol="anticipated"))
-        records.append(held_allocation(optimizer_state_name(optimizer, "step", name), 4, Category.OPTIMIZER_STATE,
-                                       dtype="f32", symbol="anticipated"))
+        records += adam_state(type(optimizer).__name__, qualnames.get(id(param), f"parameter #{i}"),
+                              param.numel() * param.element_size(), tuple(param.shape), dtype_name(param),
+                              device_type=device_type or param.device.type, amsgrad=bool(group.get("amsgrad")),
+                              step_on_device=bool(group.get("fused") or group.get("capturable")))
     return records
 
 

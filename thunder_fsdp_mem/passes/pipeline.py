@@ -4,8 +4,8 @@
 1. ``folded casts`` (``casts.fold_casts``): a 16-bit elementwise op Thunder brackets between casts, run as one op;
 2. ``fusion rematerialization`` (``fusions``; ``fusion_rematerialize``, on by default): each backward fusion
    recomputes the cheap tail of the forward fusions it reads from, as Thunder's own rematerialization means to and at
-   times does not; then ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest recomputed
-   in backward; with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
+   times does not; then ``rematerialization`` (``recompute``): what the forward saves, by a minimum cut, the rest
+   recomputed in backward; with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
 3. ``folded casts after rematerialization``: the brackets of the upcasts the backward now recomputes (runs only
    where rematerialization was applied);
 4. ``order`` (``reorder.reorder_pair``): the trace that holds the peak in its lowest-peak order;
@@ -24,7 +24,7 @@ make worse.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
@@ -76,15 +76,16 @@ def _fusions(pair: Pair, context: Context) -> Proposal:
                     note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less")
 
 
-def estimator(config: MemoryConfig, pair: Pair) -> Estimator:
+def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] = ()) -> Estimator:
     """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
     loss the caller computes on the forward's output (where that output is not a scalar already), the optimizer
-    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``)."""
+    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``, the parameters
+    stepped in ``parameter_order``, the model's: ``step.parameter_order``)."""
     if config.memory_budget is None:
         return estimate_traces
     adamw = config.budget_optimizer == "adamw"
     held = anticipated_adamw(pair.forward, pair.backward) if adamw else ()
-    step = anticipated_adamw_step(pair.forward, pair.backward) if adamw else None
+    step = anticipated_adamw_step(pair.forward, pair.backward, parameter_order) if adamw else None
     value = pair.forward.bound_symbols[-1].args[0]
     outputs = [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)] \
         if isinstance(value, dict) and "output" in value else []

@@ -54,8 +54,8 @@ from litgpt.model import Block
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
 from thunder_fsdp_mem.analysis.step import (
-    Holder, Holdings, Key, Role, Stage, StepMemory, adam_step_allocation, held_allocation, loss_allocations,
-    optimizer_state_name, step_memory,
+    Holder, Holdings, Key, Role, Stage, StepMemory, adam_state, adam_step_allocation, held_allocation,
+    loss_allocations, step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
@@ -69,10 +69,11 @@ UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
 
 
 def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_type: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1, executors: str = "default+cat",
+                 dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1, executors="default+cat",
                  transform: FSDPMemoryTransform | None = None) -> StepMemory:
     """The estimated memory per rank of one step of ``spec`` under FSDP2 and ThunderFX on ``world_size`` ranks of
-    ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice; ``transform``:
+    ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice, or Thunder's
+    executors as a list; ``transform``:
     the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
     if shard not in runtime.SHARDS:
         raise ValueError(f"shard must be one of {', '.join(runtime.SHARDS)}; got {shard!r}")
@@ -82,7 +83,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
     refused = unsupported(config)
     if refused:
         raise NotImplementedError(f"{spec.name}: the fsdp2 composition does not model {', '.join(refused)}")
-    chosen = runtime.executors(executors)
+    chosen = runtime.executors(executors) if isinstance(executors, str) else list(executors)
     with as_on(device_type, chosen):
         torch.manual_seed(0)
         with torch.device("meta"):
@@ -271,11 +272,9 @@ class _Composer:
                 ledger.hold(Key(_Held.SHARD, unit.name, pname),
                             _record(f"{unit.path}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape,
                                     shard.dtype), _MODEL)
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    ledger.hold(Key(_Held.ADAM, unit.name, (pname, moment)),
-                                _record(optimizer_state_name("AdamW", moment, f"{unit.path}.{pname}"), shard.nbytes,
-                                        Category.OPTIMIZER_STATE, shard.shape, shard.dtype, "anticipated"),
-                                Holder(Role.OPTIMIZER))
+                for j, state in enumerate(adam_state("AdamW", f"{unit.path}.{pname}", shard.nbytes, shard.shape,
+                                                     shard.dtype, device_type=self.device_type)):
+                    ledger.hold(Key(_Held.ADAM, unit.name, (pname, j)), state, Holder(Role.OPTIMIZER))
         for name, buf in self.gpt.named_buffers():
             ledger.hold(Key(_Held.BUFFER, item=name), _tensor_record(name, buf, Category.PARAMETER, "buffer"), _MODEL)
         for name, t in (("token ids", self.idx), ("targets", self.targets)):

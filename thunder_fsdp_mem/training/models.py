@@ -7,6 +7,7 @@ initialisation, which does not change memory).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,22 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.n_layers must be a positive int, got {self.n_layers!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"ModelSpec.block_size must be a positive int, got {self.block_size!r}")
+
+    @classmethod
+    def from_config(cls, config: Config, *, block_size: int) -> ModelSpec:
+        """The spec of a litgpt ``config`` known by name, with every field it changes from the named one as an
+        override, at ``block_size`` tokens."""
+        from litgpt.config import name_to_config
+
+        if config.name not in name_to_config:
+            raise ValueError(f"litgpt configuration {config.name!r} is not known by name (Config.from_name): "
+                             "start from a named one and change its fields")
+        named = Config.from_name(config.name, block_size=block_size)
+        changed = tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(Config)
+                        if f.init and f.name not in ("name", "block_size", "n_layer")
+                        and getattr(config, f.name) != getattr(named, f.name))
+        n_layers = config.n_layer if config.n_layer != named.n_layer else None
+        return cls(name=config.name, n_layers=n_layers, block_size=block_size, overrides=changed)
 
     def config(self) -> Config:
         kwargs = dict(self.overrides)

@@ -3,7 +3,7 @@
 ``build(mode, spec, rank, ...) -> Trainer`` gives a model ready for ``Trainer.step(idx, targets)`` (forward,
 cross-entropy loss computed eagerly on the logits as Thunder's ``benchmark_litgpt.py`` does, backward, AdamW
 step, ``zero_grad``). The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
-``ln_f``, then the root, with a bf16 ``MixedPrecisionPolicy``; ``reshard_after_forward`` is on for zero3.
+``ln_f``, then the root (``shard_fsdp2``), computed in the parameters' dtype; ``reshard_after_forward`` is on for zero3.
 ``inductor+ckpt`` is torch.compile with every Block under activation checkpointing (``checkpoint_wrapper``,
 non-reentrant), the least memory torch offers; torch.compile's modes take ``activation_memory_budget``, its
 partitioner's budget (``torch._functorch.config``).
@@ -166,17 +166,25 @@ def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem, prob
     return Trainer(mode, jitted, _adamw(jitted), jitted=jitted, transform=transform)
 
 
-def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
+def shard_fsdp2(gpt: GPT, shard: str) -> GPT:
+    """``fully_shard`` on each Block, ``lm_head``, ``wte``, ``ln_f`` and the root, as ``benchmark_litgpt.py`` wraps
+    a litgpt model; ``shard``: zero2, or zero3 (``reshard_after_forward``). The parameters are computed in the dtype
+    they are in (bf16 in every benchmark: the ``MixedPrecisionPolicy`` casts nothing then)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    gpt = _gpt(spec, rank, dtype)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    dtype = next(gpt.parameters()).dtype
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     reshard = shard == "zero3"
     for block in gpt.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
     for module in (gpt.lm_head, gpt.transformer.wte, gpt.transformer.ln_f):
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(gpt, mp_policy=policy, reshard_after_forward=reshard)
+    return gpt
+
+
+def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
+    gpt = shard_fsdp2(_gpt(spec, rank, dtype), shard)
     optimizer = _adamw(gpt)
     backend = transform = None
     model: torch.nn.Module = gpt

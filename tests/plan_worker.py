@@ -1,0 +1,56 @@
+"""Run under torchrun (2 gloo ranks): a NeoX-family GPT under FSDP2 (zero2) through ThunderFX, compiled with the
+default ``FSDPMemoryTransform`` and with ``plan_fsdp2``'s configuration for a budget below its peak; prints one
+``RESULT {json}`` line per rank with the budget and both steps' peaks as measured (``cpu_memory``, the least of
+``REPEATS`` steps) and as predicted."""
+
+import dataclasses
+
+import torch
+from litgpt import GPT
+from thunder.dynamo import ThunderCompiler
+
+from configs import BY_NAME
+from support import exit_worker
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, plan_fsdp2
+from thunder_fsdp_mem.predict import fsdp2
+from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
+from thunder_fsdp_mem.training import models, modes, runtime
+
+SPEC = dataclasses.replace(BY_NAME["neox"], n_layers=4, block_size=1024)  # the blocks' saved tensors dominate
+EXECUTORS = "default"
+
+
+def measured_peak(config: MemoryConfig, rank) -> int:
+    torch.manual_seed(0)
+    gpt = modes.shard_fsdp2(GPT(SPEC.config()).to(torch.bfloat16), "zero2")
+    if config.saved_budget is None and config.memory_budget is not None:  # the user's one call
+        config = plan_fsdp2(gpt, memory_budget=config.memory_budget, tokens=SPEC.block_size, executors=EXECUTORS,
+                            device_type="cpu")
+    backend = ThunderCompiler(executors=runtime.executors(EXECUTORS), transforms=[FSDPMemoryTransform(config)])
+    trainer = modes.Trainer("fsdp2-thunder+mem", torch.compile(gpt, backend=backend),
+                            torch.optim.AdamW(gpt.parameters(), lr=1e-4))
+    idx, targets = models.batch(SPEC, seed=rank.rank)
+    trainer.step(idx, targets)
+    peaks = []
+    for _ in range(REPEATS):
+        with CPUMemory(trainer.model, trainer.optimizer, idx, targets) as memory:
+            trainer.step(idx, targets)
+        peaks.append(memory.peak_bytes)
+    return min(peaks), config
+
+
+def main() -> None:
+    rank = runtime.init_distributed("cpu")
+    options = dict(world_size=rank.world_size, shard="zero2", device_type="cpu", executors=EXECUTORS)
+    predicted = fsdp2.compose_step(SPEC, transform=FSDPMemoryTransform(), **options).peak_bytes
+    budget = int(0.92 * predicted)  # reachable: the least the blocks can save gives 0.89 of it
+    unbudgeted, _ = measured_peak(MemoryConfig(), rank)
+    budgeted, config = measured_peak(MemoryConfig(memory_budget=budget), rank)
+    planned = fsdp2.compose_step(SPEC, transform=FSDPMemoryTransform(config), **options).peak_bytes
+    runtime.print_result({"rank": rank.rank, "budget": budget, "predicted": predicted, "unbudgeted": unbudgeted,
+                          "budgeted": budgeted, "planned": planned, "saved_budget": config.saved_budget})
+    exit_worker()
+
+
+if __name__ == "__main__":
+    main()
