@@ -7,14 +7,16 @@ each way, as on CUDA), run for real:
   gradients bit for bit: its results are those of the program Thunder means to run;
 - with ``fusion_rematerialize=False`` the transform saves what Thunder as it is saves and keeps its results bit for
   bit (the default's may round otherwise: a moved op runs in another kernel; on this CPU block they happen not to);
-- on the patched Thunder's traces the pass finds nothing to move: when Thunder is fixed, it steps aside.
+- on the patched Thunder's traces the pass finds nothing to move: when Thunder is fixed, it steps aside;
+- a saved budget that makes the backward recompute a forward fusion recomputes only what the backward reads of it
+  (a fusion of fewer ops), and the results stay bit for bit.
 """
 
 import pytest
 import torch
 
 from support import upstream
-from thunder_fsdp_mem.analysis.symbols import nbytes
+from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.driver import Outcome
@@ -67,3 +69,15 @@ def test_on_a_fixed_thunder_the_pass_finds_nothing_to_move(runs):
     _, fixed, *_ = runs
     forward, backward, less = fusions.into_consumers(fixed[0], fixed[1])
     assert less == 0 and forward is fixed[0] and backward is fixed[1]
+
+
+def test_a_recomputed_fusion_runs_only_what_the_backward_reads_bit_for_bit(runs):
+    stock = runs[0]
+    transform = FSDPMemoryTransform(MemoryConfig(saved_budget=150_000, fusion_rematerialize=False, strict=True))
+    forward, backward, *results = upstream().run_block([transform], **SIZE)
+    (record,) = [r for r in transform.rewrites if r.pass_name == "rematerialization"]
+    assert record.outcome is Outcome.APPLIED and record.saved_after <= 150_000
+    ops = {b.sym.name: len(b.subsymbols) for b in forward.bound_symbols if is_fusion(b)}
+    again = [(b.sym.name, len(b.subsymbols)) for b in backward.bound_symbols if is_fusion(b) and b.sym.name in ops]
+    assert again and all(n < ops[name] for name, n in again), (ops, again)
+    assert _bitwise((forward, backward, *results), stock)

@@ -20,10 +20,13 @@ pair as it came, rewritten by ``recompute.apply_plan`` and judged by ``judge`` (
 step, with the loss and the optimizer state it is told of); ``excess`` says by how many bytes an estimate is over
 the budget (0: it fits). Alike expensive ops (each block's fused region) cost alike, so they flip together at one
 price: the plan found is then refined to recompute the fewest of those that fit (``_fewer``: the earliest in
-forward order, their number bisected). Pure: the traces given are not changed.
+forward order, their number bisected). A price recomputes every op whose bytes per second beat it, so where one
+dear op alone would fit beside a cheaper one that does not (a ThunderFX block, whose plan every block shares), the
+price takes both: then each expensive op recomputed is kept instead, the dearest first, while the plan still fits
+(``_without_the_dearest``, for plans of at most ``DROPS`` such ops). Pure: the traces given are not changed.
 
-Cost: one cut, one rewrite and one estimate per candidate, at most ``1 + 2 * (len(GRID) + BISECTIONS + log2 n)``
-for n alike ops.
+Cost: one cut, one rewrite and one estimate per candidate, at most ``1 + 2 * (len(GRID) + BISECTIONS + log2 n +
+DROPS)`` for n alike ops.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ from dataclasses import dataclass
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.cost import H200, DeviceRates
+from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_seconds
 from thunder_fsdp_mem.analysis.step import StepMemory
 from thunder_fsdp_mem.passes.driver import Recomputed
 from thunder_fsdp_mem.passes.recompute import SavePlan, apply_plan, plan_saved, priced, recomputed_groups
 
 BISECTIONS = 4
+DROPS = 8  # expensive ops ``_without_the_dearest`` tries to keep, one by one
 # Prices, in bytes of saved memory per second of recomputation, tried from the highest: at 10^15 B/s a GB is worth
 # a microsecond (nothing dear is recomputed), at 10^7 B/s a millisecond of recomputation is worth 10 KB (nearly
 # everything is); then 0.
@@ -99,7 +103,7 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
         return min(tried, key=lambda f: (excess(f.estimate), f.estimate.peak_bytes))
     best = tried[-1]
     if best.price == 0.0 or len(tried) < 3:
-        return best
+        return _without_the_dearest(best, forward, attempt, rates)
     above = tried[-2]
     low, high = math.log10(best.price), math.log10(above.price)  # low fits, high does not
     for _ in range(BISECTIONS):
@@ -109,7 +113,7 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
             best, low = candidate, middle
         else:
             above, high = candidate, middle
-    return _fewer(best, above, forward, attempt)
+    return _without_the_dearest(_fewer(best, above, forward, attempt), forward, attempt, rates)
 
 
 def _fewer(best: Fit, above: Fit, forward: TraceCtx, attempt: Callable[..., Fit]) -> Fit:
@@ -130,3 +134,23 @@ def _fewer(best: Fit, above: Fit, forward: TraceCtx, attempt: Callable[..., Fit]
         else:
             low = middle
     return best
+
+
+def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fit], rates: DeviceRates) -> Fit:
+    """``best`` with each expensive op it recomputes kept instead, the dearest first, where the plan still fits and
+    recomputes less. A price recomputes every op whose bytes per second beat it: where a dear op frees more than
+    the budget needs beside a cheaper one (a ThunderFX block's MLP region beside its attention region), the plan
+    at the price recomputes both, and the dear one alone may be enough. At most ``DROPS`` ops are tried (beyond
+    that the ops are alike, each block's, and ``_fewer`` has chosen among them)."""
+    dear = sorted((i for i in best.plan.recompute if priced(forward.bound_symbols[i])),
+                  key=lambda i: -op_seconds(forward.bound_symbols[i], rates))
+    if len(dear) > DROPS:
+        return best
+    allowed = set(dear)
+    for i in dear:
+        candidate = attempt(best.price, only=frozenset(allowed - {i}))
+        if candidate.reached and candidate.seconds < best.seconds:
+            best = candidate
+            allowed.discard(i)
+    return best
+

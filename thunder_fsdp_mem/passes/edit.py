@@ -5,18 +5,21 @@
   when ``bsyms`` are its own symbols in its own order (a pass that changes nothing returns its input).
 - ``dels_at_last_use(trace)``: the ``del``s of ``trace`` placed as Thunder's ``del_last_used`` places them.
 - ``noted(trace, note)``: the provenance line of a trace the transform rewrote, what earlier passes said kept.
+- ``fusion_for(fusion, outputs)``: a fusion that computes only ``outputs`` of ``fusion``, from the inputs they need.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 
 from thunder.core.prims import PrimIDs, python_del
 from thunder.core.proxies import CollectionProxy, Proxy
 from thunder.core.pytree import tree_flatten
+from thunder.core import utils
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
-from thunder.executors.passes import clear_mutable_collection, comment_symbols
+from thunder.executors.passes import _update_fusion_call_ctx, clear_mutable_collection, comment_symbols
 
 from thunder_fsdp_mem.analysis.symbols import without_dels
 
@@ -76,3 +79,19 @@ def dels_at_last_use(trace: TraceCtx, *, clear_mutable_collections: bool = False
     new = from_trace(trace)
     new.bound_symbols = list(out)
     return new
+
+
+
+def fusion_for(fusion, outputs: Sequence[Proxy]):
+    """A fusion symbol that computes ``outputs`` (some of ``fusion``'s, in its order) and nothing else: the
+    subsymbols they need, the inputs those read, a new callable from the fusion's executor (``fuse``, as Thunder's
+    rematerialization makes its fusions). The needed subsymbols are the same ops on the same values as in
+    ``fusion``. Where a backward recomputes a forward fusion for some of its outputs (a ThunderFX block's region:
+    its first matmul's output, not the two matmuls that follow), the rest is not run again."""
+    region = TraceCtx(None)
+    region.bound_symbols = list(fusion.subsymbols)
+    needed = utils.find_producer_symbols(region, tuple(outputs), tuple(fusion.flat_proxy_args))
+    read = {p.name for b in needed for p in b.flat_proxy_args}
+    args = tuple(a for a in fusion.args if isinstance(a, Proxy) and a.name in read)
+    pruned = dataclasses.replace(fusion, args=args, output=tuple(outputs), subsymbols=tuple(needed))
+    return _update_fusion_call_ctx(pruned)

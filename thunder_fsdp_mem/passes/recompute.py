@@ -59,7 +59,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     without_dels,
 )
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
-from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use
+from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use, fusion_for
 
 # Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
 # factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
@@ -291,10 +291,11 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     new_backward = from_trace(backward)
     new_backward.args = ([list(new_saved), *backward.args[0][1:]], *backward.args[1:])
     defined = {p.name for b in bw[: unpack_at + 1] for p in b.flat_proxy_outs}
+    read = {p.name for b in (*bw, *(forward.bound_symbols[i] for i in plan.recompute)) for p in b.flat_proxy_args}
     clones = []
     with tracectx(new_backward):
         for i in plan.recompute:
-            clones.append(_clone(forward.bound_symbols[i], defined, new_backward))
+            clones.append(_clone(_what_is_read(forward.bound_symbols[i], read - defined), defined, new_backward))
     new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
     new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
     new_backward = dels_at_last_use(new_backward, clear_mutable_collections=True)
@@ -340,6 +341,17 @@ def _receive(bsyms: list, saved: tuple) -> int:
     bsyms[at["split"]] = split.from_bsym(args=(whole, *split.args[1:]), output=[c0, *rest])
     bsyms[at["C0"]] = bsyms[at["C0"]].from_bsym(args=(c0, len(saved)), output=list(saved))
     return at["C0"]
+
+
+def _what_is_read(bsym, read: set[str]):
+    """A fusion recomputed for some of its outputs (those in ``read``: the backward reads them and does not have
+    them already), as a fusion that computes those alone (``edit.fusion_for``); any other symbol as it is."""
+    if not is_fusion(bsym):
+        return bsym
+    wanted = [p for p in bsym.flat_proxy_outs if p.name in read]
+    if not wanted or len(wanted) == len(bsym.flat_proxy_outs):
+        return bsym
+    return fusion_for(bsym, wanted)
 
 
 def _clone(bsym, defined: set[str], trace: TraceCtx):

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 import torch
 
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.predict import fsdp2
+from thunder_fsdp_mem.reserved import over_cap
 from thunder_fsdp_mem.training import models
 from thunder_fsdp_mem.units import format_bytes, parse_bytes
 
@@ -75,9 +77,6 @@ def plan_fsdp2(model, *, memory_budget: int | str, tokens: int, micro_batch_size
     spec = models.ModelSpec.from_config(litgpt_config, block_size=tokens)
     chosen = executors if executors is not None else "default"
     wanted = dataclasses.replace(base, memory_budget=budget, memory_cap=cap, saved_budget=None)
-    from thunder_fsdp_mem.predict import fsdp2
-    from thunder_fsdp_mem.reserved import over_cap
-
     step, planned, _ = fsdp2.fit_budget(spec, wanted, world_size=world_size, shard=shard, device_type=device_type,
                                         dtype=dtype, micro_batch_size=micro_batch_size, executors=chosen)
     short = over_cap(step, cap) if cap is not None else 0
