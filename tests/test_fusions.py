@@ -4,23 +4,60 @@ own rematerialization does where its pair order lets it (on by default, with an 
 A stablecode-3b ThunderFX block traced as on CUDA (attention between two regions, the pair order that stops
 Thunder): the block saves what Thunder's rematerialization saves once ``docs/upstream/rematerialization.patch``
 fixes it, and no float32 activation is left among what it saves; on the fixed Thunder's traces the pass moves
-nothing. The results, run for real on CPU, are in ``tests/test_upstream.py``.
+nothing. The results, run for real on CPU, are in ``tests/test_upstream.py``; here, in float32 and as FSDP2 compiles
+a model (each block a ThunderFX graph of its own, attention in an operator executor as on CUDA), the default
+transform's loss and gradients against eager PyTorch on three litgpt families, within ``GRADIENT_TOLERANCE``.
 """
 
+import dataclasses
 from contextlib import nullcontext
 from unittest.mock import patch
 
 import pytest
 import thunder
 import torch
+from thunder.dynamo import ThunderCompiler
 
+from configs import BY_NAME
 from support import upstream
+from thunder_fsdp_mem import FSDPMemoryTransform
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
 from thunder_fsdp_mem.training import models, runtime
 
+GRADIENT_TOLERANCE = 1e-5  # of each gradient's largest element (measured: at most 5e-7, kernels of another order)
+
+
+@pytest.mark.parametrize("family", ["neox", "llama", "gemma"])
+def test_the_default_transforms_gradients_are_eagers_in_float32(family):
+    spec = dataclasses.replace(BY_NAME[family], n_layers=1)
+    idx, targets = models.batch(spec)
+    transform = FSDPMemoryTransform()
+
+    def step(compiled: bool):
+        torch.manual_seed(0)
+        gpt = models.build(spec, dtype=torch.float32).gpt
+        if compiled:  # each block alone, as FSDP2's graph breaks leave it
+            backend = ThunderCompiler(executors=[upstream().cpu_attention, *runtime.executors("fused")],
+                                      transforms=[transform])
+            for i, block in enumerate(gpt.transformer.h):
+                gpt.transformer.h[i] = torch.compile(block, backend=backend)
+        logits = gpt(idx)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss.backward()
+        return loss.detach(), [p.grad for p in gpt.parameters()]
+
+    torch._dynamo.reset()
+    loss, grads = step(compiled=False)
+    loss_t, grads_t = step(compiled=True)
+    assert transform.rewrites and transform.config.fusion_rematerialize
+    if family == "neox":  # the family whose ThunderFX block Thunder leaves float32 intermediates in
+        assert any(r.pass_name == FUSIONS and r.outcome.value == "applied" for r in transform.rewrites)
+    assert abs(loss_t - loss) <= GRADIENT_TOLERANCE * abs(loss)
+    for g, g_t in zip(grads, grads_t, strict=True):
+        assert (g_t - g).abs().max() <= GRADIENT_TOLERANCE * g.abs().max()
 
 
 def test_it_is_on_by_default_with_an_opt_out():
@@ -36,7 +73,6 @@ def block():
     """A stablecode-3b ThunderFX block traced as on CUDA: its traces with Thunder as it is, and with Thunder's
     rematerialization fixed by ``docs/upstream/rematerialization.patch``."""
     from litgpt import GPT
-    from thunder.dynamo import ThunderCompiler
 
     from thunder_fsdp_mem.predict.meta import as_on
 
