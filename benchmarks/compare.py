@@ -323,7 +323,7 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
                 tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"),
                 setup_s=worst("setup_s"),
                 **{k: ranks[0][k] for k in ("rewrites", "estimated_peak_phase", "gathered_at_peak",
-                                            "gathered_at_peak_bytes") if k in ranks[0]})
+                                            "gathered_at_peak_bytes", "saved_budget", "memory_cap") if k in ranks[0]})
 
 
 def table(rows: list[dict]) -> str:
