@@ -16,7 +16,7 @@ report: $(STAMP)
 	$(BIN)/thunder-fsdp-mem report
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile  # two workers, each test file on one (its fixtures shared)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
