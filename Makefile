@@ -1,10 +1,11 @@
-# The two Quickstart commands: `make report` and `make test`. Both create or update .venv first.
+# The two Quickstart commands: `make report` and `make test` (and `make lint`, which CI runs first). Each creates or
+# updates .venv first.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: report test clean
+.PHONY: report test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +18,9 @@ report: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile  # two workers, each test file on one (its fixtures shared)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -46,8 +46,8 @@ def apply_patch(source: str, diff: str) -> str:
     offset = 0
     hunks = re.split(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", diff, flags=re.M)
     for start, body in zip(hunks[1::2], hunks[2::2]):
-        old = [l[1:] for l in body.splitlines(keepends=True) if l[:1] in (" ", "-")]
-        new = [l[1:] for l in body.splitlines(keepends=True) if l[:1] in (" ", "+")]
+        old = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "-")]
+        new = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "+")]
         at = int(start) - 1 + offset
         if lines[at:at + len(old)] != old:
             raise ValueError(f"the patch does not apply at line {start}: this is not the Thunder it was made for")

@@ -153,4 +153,3 @@ def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fi
             best = candidate
             allowed.discard(i)
     return best
-

@@ -14,10 +14,10 @@ import dataclasses
 from collections import deque
 from collections.abc import Sequence
 
+from thunder.core import utils
 from thunder.core.prims import PrimIDs, python_del
 from thunder.core.proxies import CollectionProxy, Proxy
 from thunder.core.pytree import tree_flatten
-from thunder.core import utils
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 from thunder.executors.passes import _update_fusion_call_ctx, clear_mutable_collection, comment_symbols
 
@@ -79,7 +79,6 @@ def dels_at_last_use(trace: TraceCtx, *, clear_mutable_collections: bool = False
     new = from_trace(trace)
     new.bound_symbols = list(out)
     return new
-
 
 
 def fusion_for(fusion, outputs: Sequence[Proxy]):

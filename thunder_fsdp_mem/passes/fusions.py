@@ -20,12 +20,13 @@ already (where it does, Thunder took the pair). The producer and consumer fusion
 executor (``_update_fusion_call_ctx``), the forward saves the new cut, the backward unpacks it. The moved symbols
 are Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
 
-The results are then those of Thunder's rematerialization, bit for bit where Thunder's own takes the same pair
-(``tests/test_fusions.py``, CPU), and not those of the run without it: a value computed in another kernel can
-round differently (``docs/design.md``, "Fusion rematerialization"). It is on by default, as Thunder's own
-rematerialization is wherever a fusion executor runs; ``MemoryConfig(fusion_rematerialize=False)`` turns it off,
-and with it every pass keeps the untransformed run's results bit for bit. Where Thunder's rematerialization took
-every pair (``thunder.jit``, or a Thunder with the check corrected, ``docs/upstream/``), nothing moves.
+The results are then those of Thunder's rematerialization, bit for bit those of a Thunder whose rematerialization
+takes the same pair (``tests/test_upstream.py``, CPU), and not those of the run without it: a value computed in
+another kernel can round differently (``docs/design.md``, "Fusion rematerialization"). It is on by default, as
+Thunder's own rematerialization is wherever a fusion executor runs; ``MemoryConfig(fusion_rematerialize=False)``
+turns it off, and with it every pass keeps the untransformed run's results bit for bit. Where Thunder's
+rematerialization took every pair (``thunder.jit``, or a Thunder with the check corrected, ``docs/upstream/``),
+nothing moves.
 """
 
 from __future__ import annotations

@@ -73,8 +73,7 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
                  transform: FSDPMemoryTransform | None = None) -> StepMemory:
     """The estimated memory per rank of one step of ``spec`` under FSDP2 and ThunderFX on ``world_size`` ranks of
     ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice, or Thunder's
-    executors as a list; ``transform``:
-    the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
+    executors as a list; ``transform``: the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
     if shard not in runtime.SHARDS:
         raise ValueError(f"shard must be one of {', '.join(runtime.SHARDS)}; got {shard!r}")
     if not isinstance(world_size, int) or world_size < 1:
