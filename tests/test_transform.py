@@ -122,9 +122,10 @@ def test_a_forward_that_saves_nothing_is_left_alone_without_a_warning():
         assert [s for s in said if not any(s in m for m in ours)] == [] and len(ours) == len(said), ours
 
 
-def test_fusion_regions_are_recomputed_whole_and_results_stay_bitwise():
+def test_fusion_regions_are_recomputed_in_backward_and_results_stay_bitwise():
     # A torch.compile executor that claims tanh, mul and casts: the forward has fusion regions (as on GPU, where
-    # torch.compile claims what surrounds cat), and the backward runs copies of them, with the same results.
+    # torch.compile claims what surrounds cat), and the backward runs copies of them (whole, or the part of one the
+    # backward reads), with the same results.
     from thunder.core.prims import PrimIDs
     from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_ex
 
