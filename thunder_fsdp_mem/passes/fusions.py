@@ -10,8 +10,8 @@ the map of the original symbols). So once a backward fusion has taken recomputat
 later forward fusion can move anything into it: everything it reads from them is saved as computed. Under
 ``thunder.jit`` the regions of stablecode-3b's blocks pair in an order this does not stop (12 layers, fused:
 nothing left to move); under ThunderFX (FSDP2's path) the second backward region of a block reads from both
-forward regions, and the block saves the float32 upcasts and layer norm intermediates of its MLP half
-(stablecode-3b, fused executors: 430 MiB a block at 2048 tokens instead of 120 MiB).
+forward regions, and the block saves the float32 upcasts and layer norm intermediates of its MLP half (several
+times what it saves with them recomputed; the figures in ``docs/design.md``).
 
 This pass takes the pairs again on the split traces, forward fusion to backward fusion, with each output's other
 readers counted by the original symbols, and applies Thunder's own cut and rewrite (``find_cut``,

@@ -24,9 +24,8 @@ A matmul's workspace is left out too: an allocation made inside ``aten::mm``, ``
 and freed before the op returns. Where the CPU has bf16 instructions (avx512_bf16, AMX), a bf16 matmul runs on
 oneDNN, which takes a scratchpad from torch's allocator at each call (tens to hundreds of KiB at pythia-14m's
 sizes, set by the CPU model, not by the program) and may copy an operand to a layout of its own first; the
-estimate counts what ops return, as on CUDA, where cuBLAS's workspace is no tensor either. (Until the twelfth
-session the context turned oneDNN off instead: ATen's own bf16 matmul then took 6 s a step for pythia-14m's
-lm_head's forward and backward on our 2-core machine, against 34 ms on oneDNN.)
+estimate counts what ops return, as on CUDA, where cuBLAS's workspace is no tensor either. (oneDNN stays on:
+ATen's own bf16 matmul, without it, is two orders of magnitude slower on CPU; ``docs/accuracy.md``.)
 
 ``CPUMemory(held)`` is a context manager: inside it, ``mark(label)`` notes a point of the program; afterwards
 ``peak_bytes`` is the peak of the live bytes over the context, and ``marks()`` gives, per mark, the live bytes

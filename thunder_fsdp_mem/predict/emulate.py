@@ -9,8 +9,8 @@ on meta). ``plan_step(spec, config, ...)`` is the step with ``FSDPMemoryTransfor
 included: under FSDP2 each block's transform gets its share of it (``fsdp2.fit_budget``).
 
 For Thunder's fsdp on stablecode-3b and Llama-3-8B the estimate is the one the GPU run's own traces give, to the
-byte; under FSDP2, the transform's record on meta is the GPU run's (docs/accuracy.md). Without the ``cat``
-region, ThunderFX's block took another recomputation plan and the fsdp2+mem prediction was 27% high.
+byte; under FSDP2, the transform's record on meta is the GPU run's (docs/accuracy.md). The executors must be
+the run's, ``cat`` region included: without it ThunderFX's block takes another recomputation plan.
 """
 
 from __future__ import annotations
