@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compare import UsageError, split_variant  # noqa: E402
+from compare import UsageError, _Parser, split_variant  # noqa: E402
 
 from thunder_fsdp_mem.config import MemoryConfig  # noqa: E402
 from thunder_fsdp_mem.training import modes as mode_table  # noqa: E402
@@ -43,11 +43,6 @@ SUCCESSORS = 8
 ACTIVE = 1024  # token ids the chain runs over: learnt within a few hundred steps
 SEED = 1234
 TAIL = 20
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
 
 
 def parser() -> argparse.ArgumentParser:
