@@ -41,8 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, nargs="+", default=[4])
     p.add_argument("--block-size", type=int, nargs="+", default=[4096])
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
-                   help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--mode", choices=("jit", "fsdp"), default="jit", help="one configuration: thunder.jit or fsdp")
     p.add_argument("--shard", choices=runtime.SHARDS, default="zero2")
@@ -67,8 +72,12 @@ def run_one(args) -> dict:
     from thunder_fsdp_mem.training import models
 
     rank = runtime.init_distributed(args.device)
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers[0], block_size=args.block_size[0],
-                            overrides=models.parse_overrides(args.override))
+    spec = models.ModelSpec(
+        name=args.model,
+        n_layers=args.n_layers[0],
+        block_size=args.block_size[0],
+        overrides=models.parse_overrides(args.override),
+    )
     model = models.build(spec, dtype=models.DTYPES[args.dtype], device=rank.device)
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
     samples: list[tuple[int, int, int, int]] = []
@@ -121,14 +130,26 @@ def run_one(args) -> dict:
     forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
     thunder_estimate = max(get_alloc_memory(forward)[0], get_alloc_memory(backward)[0])
     result = {
-        "model": args.model, "n_layers": spec.config().n_layer, "block_size": spec.block_size,
-        "mode": args.mode if args.mode == "jit" else f"fsdp-{args.shard}", "device": args.device,
-        "world_size": rank.world_size, "rank": rank.rank, "executors": args.executors, "dtype": args.dtype,
-        "measured_peak_bytes": int(measured), "estimated_peak_bytes": int(estimate.peak_bytes),
-        "thunder_get_alloc_memory_bytes": int(thunder_estimate), "allocated_before_step": int(before),
-        "estimated_persistent_bytes": int(estimate.persistent_bytes), "peak_phase": estimate.peak_phase,
-        "peak_symbol": estimate.peak_symbol, "compile_s": round(compile_s, 1), "step_ms": round(step_ms, 1),
-        "forward_bsyms": len(forward.bound_symbols), "backward_bsyms": len(backward.bound_symbols),
+        "model": args.model,
+        "n_layers": spec.config().n_layer,
+        "block_size": spec.block_size,
+        "mode": args.mode if args.mode == "jit" else f"fsdp-{args.shard}",
+        "device": args.device,
+        "world_size": rank.world_size,
+        "rank": rank.rank,
+        "executors": args.executors,
+        "dtype": args.dtype,
+        "measured_peak_bytes": int(measured),
+        "estimated_peak_bytes": int(estimate.peak_bytes),
+        "thunder_get_alloc_memory_bytes": int(thunder_estimate),
+        "allocated_before_step": int(before),
+        "estimated_persistent_bytes": int(estimate.persistent_bytes),
+        "peak_phase": estimate.peak_phase,
+        "peak_symbol": estimate.peak_symbol,
+        "compile_s": round(compile_s, 1),
+        "step_ms": round(step_ms, 1),
+        "forward_bsyms": len(forward.bound_symbols),
+        "backward_bsyms": len(backward.bound_symbols),
     }
     if args.probe_dump and rank.rank == 0:
         _dump_probes(Path(args.probe_dump), samples, estimate, forward, backward)
@@ -139,10 +160,16 @@ def _dump_probes(out: Path, samples, estimate, forward, backward) -> None:
     """Measured memory after each bound symbol beside the prediction, and the traces, for offline study."""
     out.mkdir(parents=True, exist_ok=True)
     dump = {"samples": samples}
-    for tag, name, timeline, trace in ((0, "forward", estimate.forward, forward),
-                                       (1, "backward", estimate.backward, backward)):
-        dump[name] = {"timeline": timeline.timeline, "op_peaks": timeline.op_peaks, "symbols": timeline.symbols,
-                      "lines": [str(b).split("\n")[0][:300] for b in trace.bound_symbols]}
+    for tag, name, timeline, trace in (
+        (0, "forward", estimate.forward, forward),
+        (1, "backward", estimate.backward, backward),
+    ):
+        dump[name] = {
+            "timeline": timeline.timeline,
+            "op_peaks": timeline.op_peaks,
+            "symbols": timeline.symbols,
+            "lines": [str(b).split("\n")[0][:300] for b in trace.bound_symbols],
+        }
         (out / f"{name}_trace.py").write_text(str(trace))
     dump["outside_bytes"] = {phase.name: phase.outside_bytes for phase in estimate.phases}
     (out / "probes.json").write_text(json.dumps(dump))
@@ -159,29 +186,54 @@ def run_matrix(args) -> list[dict]:
     multi = [r for r in runs if r[2] != "jit"]
     for batch_start in range(0, len(single), args.parallel):
         procs = []
-        for slot, (n_layers, block_size, mode) in enumerate(single[batch_start:batch_start + args.parallel]):
+        for slot, (n_layers, block_size, mode) in enumerate(single[batch_start : batch_start + args.parallel]):
             env = dict(os.environ)
             if args.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
             cmd = [sys.executable, __file__, *_common(args, n_layers, block_size), "--mode", "jit"]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-        for proc, run in zip(procs, single[batch_start:batch_start + args.parallel]):
+        for proc, run in zip(procs, single[batch_start : batch_start + args.parallel]):
             out, err = proc.communicate()
             results.append(_collect(run, out, err, proc.returncode))
     for n_layers, block_size, mode in multi:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", __file__, *_common(args, n_layers, block_size),
-               "--mode", "fsdp", "--shard", mode.split("-")[1]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc_per_node}",
+            __file__,
+            *_common(args, n_layers, block_size),
+            "--mode",
+            "fsdp",
+            "--shard",
+            mode.split("-")[1],
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         results.append(_collect((n_layers, block_size, mode), proc.stdout, proc.stderr, proc.returncode))
     return results
 
 
 def _common(args, n_layers: int, block_size: int) -> list[str]:
-    return ["--device", args.device, "--model", args.model, "--n-layers", str(n_layers), "--block-size",
-            str(block_size), "--micro-batch-size", str(args.micro_batch_size), "--dtype", args.dtype,
-            "--executors", args.executors, "--warmup", str(args.warmup),
-            *[f"--override={o}" for o in args.override]]
+    return [
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--n-layers",
+        str(n_layers),
+        "--block-size",
+        str(block_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--dtype",
+        args.dtype,
+        "--executors",
+        args.executors,
+        "--warmup",
+        str(args.warmup),
+        *[f"--override={o}" for o in args.override],
+    ]
 
 
 def _collect(run, out: str, err: str, returncode: int) -> dict:
@@ -192,16 +244,23 @@ def _collect(run, out: str, err: str, returncode: int) -> dict:
         return {"n_layers": run[0], "block_size": run[1], "mode": run[2], "error": last}
     row = max(rows, key=lambda r: r["measured_peak_bytes"])
     row["estimated_peak_bytes"] = max(r["estimated_peak_bytes"] for r in rows)
-    print(f"[accuracy] {run}: measured {row['measured_peak_bytes'] / 2**30:.2f} GiB, "
-          f"estimated {row['estimated_peak_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    print(
+        f"[accuracy] {run}: measured {row['measured_peak_bytes'] / 2**30:.2f} GiB, "
+        f"estimated {row['estimated_peak_bytes'] / 2**30:.2f} GiB",
+        file=sys.stderr,
+        flush=True,
+    )
     return row
 
 
 def markdown(results: list[dict]) -> str:
     from thunder_fsdp_mem.units import format_bytes
 
-    lines = ["| model | layers | tokens | dtype | mode | measured peak | estimate_step | error "
-             "| Thunder get_alloc_memory | its error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | layers | tokens | dtype | mode | measured peak | estimate_step | error "
+        "| Thunder get_alloc_memory | its error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if "error" in r:
             lines.append(f"| | {r['n_layers']} | {r['block_size']} | | {r['mode']} | failed: {r['error']} | | | | |")

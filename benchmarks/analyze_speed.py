@@ -31,15 +31,19 @@ def main(argv=None) -> int:
     jitted = thunder.jit(model)
     jitted(idx, targets).backward()
     compile_s = time.perf_counter() - t0
-    for name, trace in (("forward", thunder.last_traces(jitted)[-1]),
-                        ("backward", thunder.last_backward_traces(jitted)[-1])):
+    for name, trace in (
+        ("forward", thunder.last_traces(jitted)[-1]),
+        ("backward", thunder.last_backward_traces(jitted)[-1]),
+    ):
         times = []
         for _ in range(args.repeat):
             start = time.perf_counter()
             analyze(trace)
             times.append(time.perf_counter() - start)
-        print(f"{name}: {len(trace.bound_symbols)} bound symbols, analyze min {min(times):.3f} s, "
-              f"median {sorted(times)[len(times) // 2]:.3f} s (of {args.repeat})")
+        print(
+            f"{name}: {len(trace.bound_symbols)} bound symbols, analyze min {min(times):.3f} s, "
+            f"median {sorted(times)[len(times) // 2]:.3f} s (of {args.repeat})"
+        )
     print(f"(Thunder compilation on meta: {compile_s:.0f} s)")
     return 0
 

@@ -42,8 +42,14 @@ VARIANTS = {
 }
 
 
-def step(spec: models.ModelSpec, device: str, config: MemoryConfig | None, executors: str, dtype: torch.dtype,
-         thunderfx: bool = False):
+def step(
+    spec: models.ModelSpec,
+    device: str,
+    config: MemoryConfig | None,
+    executors: str,
+    dtype: torch.dtype,
+    thunderfx: bool = False,
+):
     """The loss, every gradient by name, and the estimated peak of the step with AdamW's state and step (as a
     budget counts it: ``MemoryConfig.budget_optimizer``; None through ThunderFX)."""
     model = models.build(spec, dtype=dtype, device=device)
@@ -51,8 +57,9 @@ def step(spec: models.ModelSpec, device: str, config: MemoryConfig | None, execu
     transforms = [FSDPMemoryTransform(config)] if config is not None else []
     if thunderfx:
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=ThunderCompiler(executors=runtime.executors(executors),
-                                                                transforms=transforms))
+        compiled = torch.compile(
+            model, backend=ThunderCompiler(executors=runtime.executors(executors), transforms=transforms)
+        )
     else:
         compiled = thunder.jit(model, executors=runtime.executors(executors), transforms=transforms)
     loss = compiled(idx, targets)
@@ -70,10 +77,19 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=2048)
     p.add_argument("--executors", choices=runtime.EXECUTOR_CHOICES, default="default+cat")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--override", action="append", default=[], metavar="FIELD=INT",
-                   help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model")
-    p.add_argument("--budget-fraction", type=float, metavar="F",
-                   help="also run with a memory budget of F times the estimated peak with everything (0 < F <= 1)")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model",
+    )
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        metavar="F",
+        help="also run with a memory budget of F times the estimated peak with everything (0 < F <= 1)",
+    )
     p.add_argument("--least-peak", action="store_true", help="also run with a budget of 1 byte (the least reachable)")
     p.add_argument("--thunderfx", action="store_true", help="compile through ThunderFX instead of thunder.jit")
     args = p.parse_args(argv)
@@ -82,17 +98,23 @@ def main(argv=None) -> int:
     if args.budget_fraction is not None and args.thunderfx:
         p.error("--budget-fraction needs the step's estimate, which --thunderfx does not give; use --least-peak")
     try:
-        spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size,
-                                overrides=models.parse_overrides(args.override))
+        spec = models.ModelSpec(
+            name=args.model,
+            n_layers=args.n_layers,
+            block_size=args.block_size,
+            overrides=models.parse_overrides(args.override),
+        )
         spec.config()
     except ValueError as e:
         p.error(str(e))
     torch.use_deterministic_algorithms(args.deterministic)
     dtype = models.DTYPES[args.dtype]
     loss, grads, _ = step(spec, args.device, None, args.executors, dtype, args.thunderfx)
-    print(f"{args.model} {spec.overrides or ''}, {args.n_layers} layers, {args.block_size} tokens, {args.dtype}, "
-          f"{args.device}, {'ThunderFX' if args.thunderfx else 'thunder.jit'}, executors {args.executors}, "
-          f"deterministic algorithms: {args.deterministic}; {len(grads)} gradients")
+    print(
+        f"{args.model} {spec.overrides or ''}, {args.n_layers} layers, {args.block_size} tokens, {args.dtype}, "
+        f"{args.device}, {'ThunderFX' if args.thunderfx else 'thunder.jit'}, executors {args.executors}, "
+        f"deterministic algorithms: {args.deterministic}; {len(grads)} gradients"
+    )
     variants = [(name, config, None) for name, config in VARIANTS.items()]
     if args.least_peak:
         variants.append(("the least peak reachable (a budget of 1 B)", MemoryConfig(memory_budget=1), None))
@@ -103,15 +125,22 @@ def main(argv=None) -> int:
         differ = [n for n in grads if not torch.equal(grads[n], grads_v[n])]
         met = "" if budget is None else f" ({'within' if peak <= budget else 'over'} the budget)"
         estimated = "" if peak is None else f"; estimated peak {peak} B{met}"
-        print(f"{name}: loss equal {torch.equal(loss, loss_v)}; gradients that differ: {differ or 'none'}"
-              f"{estimated}", flush=True)
+        print(
+            f"{name}: loss equal {torch.equal(loss, loss_v)}; gradients that differ: {differ or 'none'}{estimated}",
+            flush=True,
+        )
         for w in caught:
             if "FSDPMemoryTransform" in str(w.message):
                 print(f"  warning: {w.message}")
         if name == EVERYTHING and args.budget_fraction is not None:
             budget = int(args.budget_fraction * peak)
-            variants.append((f"a memory budget of {budget} B ({args.budget_fraction:g} of that peak)",
-                             MemoryConfig(memory_budget=budget), budget))
+            variants.append(
+                (
+                    f"a memory budget of {budget} B ({args.budget_fraction:g} of that peak)",
+                    MemoryConfig(memory_budget=budget),
+                    budget,
+                )
+            )
     return 0
 
 

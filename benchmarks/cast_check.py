@@ -17,14 +17,29 @@ import argparse
 import torch
 
 UNARY = {
-    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "expm1": torch.expm1, "log": torch.log,
-    "log1p": torch.log1p, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "rsqrt": torch.rsqrt,
-    "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin, "sqrt": torch.sqrt, "erf": torch.erf,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "expm1": torch.expm1,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "cos": torch.cos,
+    "sin": torch.sin,
+    "sqrt": torch.sqrt,
+    "erf": torch.erf,
     "pow": lambda x: torch.pow(x, 3.0),
 }
 BINARY = {
-    "add": lambda a, b: torch.add(a, b, alpha=1), "sub": lambda a, b: torch.sub(a, b, alpha=1), "mul": torch.mul,
-    "true_divide": torch.true_divide, "maximum": torch.maximum, "minimum": torch.minimum,
+    "add": lambda a, b: torch.add(a, b, alpha=1),
+    "sub": lambda a, b: torch.sub(a, b, alpha=1),
+    "mul": torch.mul,
+    "true_divide": torch.true_divide,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
 }
 WITH_NUMBER = ("add", "sub", "mul", "true_divide")
 NUMBERS = {"exact": (0.5, 2.0, -0.25, 3.0), "inexact": (1.4142135623730951, 0.42044820762685725, 1e-05, 0.044715)}
@@ -47,9 +62,12 @@ def check_unary(f, x: torch.Tensor) -> int:
 
 def check_binary(f, x: torch.Tensor) -> int:
     if x.device.type == "cuda":  # every pair, in slices of 4096 first operands
-        return sum(differ(f(x[i:i + 4096, None], x[None, :]),
-                          f(x[i:i + 4096, None].float(), x[None, :].float()).to(x.dtype))
-                   for i in range(0, x.numel(), 4096))
+        return sum(
+            differ(
+                f(x[i : i + 4096, None], x[None, :]), f(x[i : i + 4096, None].float(), x[None, :].float()).to(x.dtype)
+            )
+            for i in range(0, x.numel(), 4096)
+        )
     g = torch.Generator().manual_seed(0)
     a = x[torch.randint(0, x.numel(), (1 << 22,), generator=g).to(x.device)]
     b = x[torch.randint(0, x.numel(), (1 << 22,), generator=g).to(x.device)]

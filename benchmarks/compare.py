@@ -78,36 +78,66 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, default=None, help="override the number of blocks")
     p.add_argument("--block-size", type=int, default=8192, help="sequence length of a step")
     p.add_argument("--micro-batch-size", type=int, default=1, help="sequences per rank and step")
-    p.add_argument("--shard", choices=runtime.SHARDS, default="zero2",
-                   help="zero2 keeps parameters gathered from forward to backward, zero3 re-gathers")
+    p.add_argument(
+        "--shard",
+        choices=runtime.SHARDS,
+        default="zero2",
+        help="zero2 keeps parameters gathered from forward to backward, zero3 re-gathers",
+    )
     p.add_argument("--modes", default="all", help="'all' or a comma-separated list of modes")
     p.add_argument("--steps", type=int, default=10, help="measured steps (median step time)")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation happens here)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (NCCL) or cpu (gloo, the profiler's allocations)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (NCCL) or cpu (gloo, the profiler's allocations)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype")
-    p.add_argument("--recompute-weight", type=float, default=DEFAULT_RECOMPUTE_WEIGHT,
-                   help="MemoryConfig.recompute_weight of the +mem modes")
-    p.add_argument("--executors", choices=runtime.EXECUTOR_CHOICES, default="default+cat",
-                   help="Thunder's executors (a mode's @ex= overrides): its defaults, plus torch.compile for cat (the "
-                        "seed's setting), or fused (sdpa, then one fusion executor: nvFuser or torch.compile)")
-    p.add_argument("--memory-cap-gb", type=float, default=None,
-                   help="cap each rank's GPU memory at this many GB (80 emulates an H100); OOM becomes a row")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="modes run at once; they take turns on the devices, only thunder.jit compiles meanwhile")
+    p.add_argument(
+        "--recompute-weight",
+        type=float,
+        default=DEFAULT_RECOMPUTE_WEIGHT,
+        help="MemoryConfig.recompute_weight of the +mem modes",
+    )
+    p.add_argument(
+        "--executors",
+        choices=runtime.EXECUTOR_CHOICES,
+        default="default+cat",
+        help="Thunder's executors (a mode's @ex= overrides): its defaults, plus torch.compile for cat (the "
+        "seed's setting), or fused (sdpa, then one fusion executor: nvFuser or torch.compile)",
+    )
+    p.add_argument(
+        "--memory-cap-gb",
+        type=float,
+        default=None,
+        help="cap each rank's GPU memory at this many GB (80 emulates an H100); OOM becomes a row",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="modes run at once; they take turns on the devices, only thunder.jit compiles meanwhile",
+    )
     p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON (after each mode)")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart of peak memory per mode (PNG or SVG)")
-    p.add_argument("--timeout", type=float, default=3600,
-                   help="seconds a mode may take, compilation included, before its processes are ended and its row "
-                        "says so (default 3600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="seconds a mode may take, compilation included, before its processes are ended and its row "
+        "says so (default 3600)",
+    )
     p.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
     p.add_argument("--turn-lock", metavar="PATH", help=argparse.SUPPRESS)
-    p.add_argument("--inject-oom", metavar="RANK", type=int, default=None,
-                   help=argparse.SUPPRESS)  # tests: this rank's first backward symbol raises torch's OOM
+    p.add_argument(
+        "--inject-oom", metavar="RANK", type=int, default=None, help=argparse.SUPPRESS
+    )  # tests: this rank's first backward symbol raises torch's OOM
     return p
 
 
 # --- the driver ------------------------------------------------------------------------------------------------
+
 
 def validate(args) -> list[str]:
     from litgpt.config import name_to_config
@@ -145,8 +175,10 @@ def validate(args) -> list[str]:
     for m in chosen:
         variant = split_variant(m)
         if variant.memory and not variant.base.endswith("+mem"):
-            raise UsageError(f"mode {m!r}: only +mem modes take the transform's options "
-                             f"({', '.join(k for k in VARIANT_KEYS if k not in ('ex', 'amb'))})")
+            raise UsageError(
+                f"mode {m!r}: only +mem modes take the transform's options "
+                f"({', '.join(k for k in VARIANT_KEYS if k not in ('ex', 'amb'))})"
+            )
         if variant.executors is not None and variant.base not in mode_table.THUNDER_MODES:
             raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
         if variant.amb is not None and variant.base not in mode_table.INDUCTOR_MODES:
@@ -158,9 +190,16 @@ def validate(args) -> list[str]:
     return chosen
 
 
-VARIANT_KEYS = {"w": "recompute_weight", "ag": "max_inflight_allgathers", "rs": "max_inflight_reduce_scatters",
-                "fold": "fold_casts", "fr": "fusion_rematerialize", "budget": "memory_budget", "ex": "executors",
-                "amb": "amb"}
+VARIANT_KEYS = {
+    "w": "recompute_weight",
+    "ag": "max_inflight_allgathers",
+    "rs": "max_inflight_reduce_scatters",
+    "fold": "fold_casts",
+    "fr": "fusion_rematerialize",
+    "budget": "memory_budget",
+    "ex": "executors",
+    "amb": "amb",
+}
 
 
 def _executor_choice(value: str) -> str:
@@ -176,12 +215,23 @@ def _fraction(value: str) -> float:
     return fraction
 
 
-_PARSE = {"w": float, "ag": int, "rs": int, "fold": lambda v: {"0": False, "1": True}[v],
-          "fr": lambda v: {"0": False, "1": True}[v], "ex": _executor_choice,
-          "budget": parse_bytes, "amb": _fraction}
-_EXPECTED = {"fold": "0 or 1", "fr": "0 or 1", "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
-             "amb": "a number from 0 to 1",
-             "budget": "a size (60GB, 55.9GiB)"}
+_PARSE = {
+    "w": float,
+    "ag": int,
+    "rs": int,
+    "fold": lambda v: {"0": False, "1": True}[v],
+    "fr": lambda v: {"0": False, "1": True}[v],
+    "ex": _executor_choice,
+    "budget": parse_bytes,
+    "amb": _fraction,
+}
+_EXPECTED = {
+    "fold": "0 or 1",
+    "fr": "0 or 1",
+    "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
+    "amb": "a number from 0 to 1",
+    "budget": "a size (60GB, 55.9GiB)",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,8 +260,7 @@ def split_variant(mode: str) -> Variant:
         try:
             options[VARIANT_KEYS[key]] = _PARSE[key](value)
         except (KeyError, ValueError):
-            raise UsageError(f"mode {mode!r}: {key} must be {_EXPECTED.get(key, 'a number')}, got {value!r}") \
-                from None
+            raise UsageError(f"mode {mode!r}: {key} must be {_EXPECTED.get(key, 'a number')}, got {value!r}") from None
     executors = options.pop("executors", None)
     amb = options.pop("amb", None)
     return Variant(base, options, executors, amb)
@@ -257,22 +306,35 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
 
 
 def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).resolve()), "--worker", mode, *_forwarded(args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        *_forwarded(args),
+    ]
     if lock is not None:
         cmd += ["--turn-lock", lock]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     # A session of its own: at the timeout torchrun and every rank it started end together.
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, _ = proc.communicate()
             ranks = runtime.read_results(stdout)
-            return _row(mode, status=f"timeout after {args.timeout:g} s",
-                        estimated_peak_bytes=max((r["estimated_peak_bytes"] or 0 for r in ranks), default=None))
+            return _row(
+                mode,
+                status=f"timeout after {args.timeout:g} s",
+                estimated_peak_bytes=max((r["estimated_peak_bytes"] or 0 for r in ranks), default=None),
+            )
     ranks = runtime.read_results(stdout)
     if not ranks:
         return _row(mode, status=f"error: {_last_line(stderr)}")
@@ -280,10 +342,28 @@ def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
 
 
 def _forwarded(args) -> list[str]:
-    out = ["--model", args.model, "--block-size", str(args.block_size), "--micro-batch-size",
-           str(args.micro_batch_size), "--shard", args.shard, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--device", args.device, "--dtype", args.dtype, "--executors", args.executors,
-           "--recompute-weight", repr(args.recompute_weight)]
+    out = [
+        "--model",
+        args.model,
+        "--block-size",
+        str(args.block_size),
+        "--micro-batch-size",
+        str(args.micro_batch_size),
+        "--shard",
+        args.shard,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--executors",
+        args.executors,
+        "--recompute-weight",
+        repr(args.recompute_weight),
+    ]
     if args.inject_oom is not None:
         out += ["--inject-oom", str(args.inject_oom)]
     if args.n_layers is not None:
@@ -300,14 +380,24 @@ def _last_line(text: str) -> str:
 
 
 def _row(mode: str, *, status: str, **fields) -> dict:
-    row = {"mode": mode, "peak_bytes": None, "reserved_bytes": None, "alloc_retries": None, "step_ms": None,
-           "tokens_per_s": None, "estimated_peak_bytes": None, "status": status, "setup_s": None}
+    row = {
+        "mode": mode,
+        "peak_bytes": None,
+        "reserved_bytes": None,
+        "alloc_retries": None,
+        "step_ms": None,
+        "tokens_per_s": None,
+        "estimated_peak_bytes": None,
+        "status": status,
+        "setup_s": None,
+    }
     row.update(fields)
     return row
 
 
 def _merge(mode: str, ranks: list[dict]) -> dict:
     """One row from every rank's: the maximum over ranks; a failure on any rank is the row's status."""
+
     def worst(key):
         values = [r[key] for r in ranks if r.get(key) is not None]
         return max(values) if values else None
@@ -315,27 +405,49 @@ def _merge(mode: str, ranks: list[dict]) -> dict:
     bad = [r["status"] for r in ranks if r["status"] != "ok"]
     if bad:  # what it would have needed, where the traces tell, and what the device held when it ran out
         oom = {k: worst(k) for k in ("allocated_at_oom_bytes", "reserved_at_oom_bytes") if any(k in r for r in ranks)}
-        return _row(mode, status="OOM" if "OOM" in bad else bad[0], estimated_peak_bytes=worst("estimated_peak_bytes"),
-                    **oom)
+        return _row(
+            mode, status="OOM" if "OOM" in bad else bad[0], estimated_peak_bytes=worst("estimated_peak_bytes"), **oom
+        )
 
-    return _row(mode, status="ok", peak_bytes=worst("peak_bytes"), reserved_bytes=worst("reserved_bytes"),
-                alloc_retries=worst("alloc_retries"), step_ms=worst("step_ms"),
-                tokens_per_s=min(r["tokens_per_s"] for r in ranks), estimated_peak_bytes=worst("estimated_peak_bytes"),
-                setup_s=worst("setup_s"),
-                **{k: ranks[0][k] for k in ("rewrites", "estimated_peak_phase", "gathered_at_peak",
-                                            "gathered_at_peak_bytes", "saved_budget", "memory_cap") if k in ranks[0]})
+    return _row(
+        mode,
+        status="ok",
+        peak_bytes=worst("peak_bytes"),
+        reserved_bytes=worst("reserved_bytes"),
+        alloc_retries=worst("alloc_retries"),
+        step_ms=worst("step_ms"),
+        tokens_per_s=min(r["tokens_per_s"] for r in ranks),
+        estimated_peak_bytes=worst("estimated_peak_bytes"),
+        setup_s=worst("setup_s"),
+        **{
+            k: ranks[0][k]
+            for k in (
+                "rewrites",
+                "estimated_peak_phase",
+                "gathered_at_peak",
+                "gathered_at_peak_bytes",
+                "saved_budget",
+                "memory_cap",
+            )
+            if k in ranks[0]
+        },
+    )
 
 
 def table(rows: list[dict]) -> str:
     baseline = next((r for b in mode_table.BASELINES for r in rows if r["mode"] == b and r["peak_bytes"]), None)
     base = baseline["peak_bytes"] if baseline else None
-    lines = [f"| mode | status | peak allocated | vs {baseline['mode'] if baseline else 'torch.compile'} | "
-             "peak reserved | alloc retries | step | "
-             "tokens/s | estimated peak | estimate error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| mode | status | peak allocated | vs {baseline['mode'] if baseline else 'torch.compile'} | "
+        "peak reserved | alloc retries | step | "
+        "tokens/s | estimated peak | estimate error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         peak, est = r["peak_bytes"], r["estimated_peak_bytes"]
         cells = [
-            r["mode"], r["status"],
+            r["mode"],
+            r["status"],
             format_bytes(peak) if peak else "-",
             f"{peak / base:.2f}x" if peak and base else "-",
             format_bytes(r["reserved_bytes"]) if r["reserved_bytes"] else "-",
@@ -394,6 +506,7 @@ def main(argv=None) -> int:
 
 
 # --- one mode, on every rank -------------------------------------------------------------------------------------
+
 
 def worker(args) -> int:
     """Build, compile and warm up, then measure. With ``--jobs``, a mode that compiles without the device
@@ -454,9 +567,17 @@ def _setup(args, rank, result: dict):
         memory = _fsdp2_block_budget(args, spec, rank, executors, memory)
         result["saved_budget"] = memory.saved_budget
     probe = _injected_oom(rank.rank) if args.inject_oom == rank.rank else None
-    trainer = mode_table.build(variant.base, spec, rank, shard=args.shard, executors=executors,
-                               dtype=models.DTYPES[args.dtype], memory=memory, activation_memory_budget=variant.amb,
-                               probe=probe)
+    trainer = mode_table.build(
+        variant.base,
+        spec,
+        rank,
+        shard=args.shard,
+        executors=executors,
+        dtype=models.DTYPES[args.dtype],
+        memory=memory,
+        activation_memory_budget=variant.amb,
+        probe=probe,
+    )
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     trainer.precompile(idx)
     result.update(_estimate(trainer))
@@ -484,10 +605,19 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) 
     from thunder_fsdp_mem import plan_fsdp2
     from thunder_fsdp_mem.training import models
 
-    return plan_fsdp2(spec.config(), memory_budget=memory.memory_budget, memory_cap=memory.memory_cap,
-                      tokens=args.block_size, micro_batch_size=args.micro_batch_size, world_size=rank.world_size,
-                      shard=args.shard, dtype=models.DTYPES[args.dtype], executors=executors,
-                      device_type=args.device, config=memory)
+    return plan_fsdp2(
+        spec.config(),
+        memory_budget=memory.memory_budget,
+        memory_cap=memory.memory_cap,
+        tokens=args.block_size,
+        micro_batch_size=args.micro_batch_size,
+        world_size=rank.world_size,
+        shard=args.shard,
+        dtype=models.DTYPES[args.dtype],
+        executors=executors,
+        device_type=args.device,
+        config=memory,
+    )
 
 
 @contextmanager
@@ -568,9 +698,13 @@ def _measure(args, trainer, idx, targets, rank) -> dict:
         peak = min(peaks)
         reserved = retries = None
     step_s = statistics.median(times)
-    return {"peak_bytes": int(peak), "reserved_bytes": reserved, "alloc_retries": retries,
-            "step_ms": step_s * 1e3,
-            "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s}
+    return {
+        "peak_bytes": int(peak),
+        "reserved_bytes": reserved,
+        "alloc_retries": retries,
+        "step_ms": step_s * 1e3,
+        "tokens_per_s": args.micro_batch_size * args.block_size * rank.world_size / step_s,
+    }
 
 
 def _estimate(trainer) -> dict:
@@ -584,8 +718,12 @@ def _estimate(trainer) -> dict:
 
     step = estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer)
     gathered = [a for a in step.live_at_peak if a.category is Category.GATHERED_PARAMETER]
-    return {"estimated_peak_bytes": step.peak_bytes, "estimated_peak_phase": step.peak_phase,
-            "gathered_at_peak": len(gathered), "gathered_at_peak_bytes": sum(a.nbytes for a in gathered)}
+    return {
+        "estimated_peak_bytes": step.peak_bytes,
+        "estimated_peak_phase": step.peak_phase,
+        "gathered_at_peak": len(gathered),
+        "gathered_at_peak_bytes": sum(a.nbytes for a in gathered),
+    }
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def main() -> int:
         backward = [b.sym.name for b in thunder.last_backward_traces(jitted)[-1].bound_symbols]
         taken.append(cudnn_attention.FORWARD in forward and cudnn_attention.BACKWARD in backward)
         diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip((q.grad, k.grad, v.grad), expected_grads)]
-        print(f"{shape}: on cuDNN {taken[-1]}, output equal {torch.equal(out, expected)}, gradients of q, k, v "
-              f"equal {[d == 0 for d in diffs]}, largest difference {max(diffs):.3g}")
+        print(
+            f"{shape}: on cuDNN {taken[-1]}, output equal {torch.equal(out, expected)}, gradients of q, k, v "
+            f"equal {[d == 0 for d in diffs]}, largest difference {max(diffs):.3g}"
+        )
     spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=2, block_size=2048)
     rank = runtime.init_distributed("cuda")
     idx, targets = models.batch(spec, device=rank.device)
@@ -51,8 +53,10 @@ def main() -> int:
     for mode, choice in (("thunder", "fused"), ("inductor", "default")):
         trainer = modes.build(mode, spec, rank, executors=choice)
         losses[mode] = [trainer.step(idx, targets).item() for _ in range(3)]
-    print(f"2-layer stablecode-3b, 2048 tokens, losses over 3 steps: fused Thunder {losses['thunder']}, "
-          f"torch.compile {losses['inductor']}")
+    print(
+        f"2-layer stablecode-3b, 2048 tokens, losses over 3 steps: fused Thunder {losses['thunder']}, "
+        f"torch.compile {losses['inductor']}"
+    )
     return 0 if all(taken) else 1
 
 

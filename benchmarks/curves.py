@@ -52,9 +52,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=4096, help="sequence length of a step (default 4096)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate (default 3e-4)")
-    p.add_argument("--modes", default="fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor",
-                   help="comma-separated modes of benchmarks/compare.py (default: FSDP2 through ThunderFX, fused, "
-                        "with the default transform and with fusion_rematerialize off, and FSDP2 + torch.compile)")
+    p.add_argument(
+        "--modes",
+        default="fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor",
+        help="comma-separated modes of benchmarks/compare.py (default: FSDP2 through ThunderFX, fused, "
+        "with the default transform and with fusion_rematerialize off, and FSDP2 + torch.compile)",
+    )
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per mode (default 1)")
     p.add_argument("--shard", choices=runtime.SHARDS, default="zero2", help="FSDP sharding (default zero2)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) or cpu (gloo)")
@@ -93,9 +96,15 @@ def worker(args) -> int:
     rank = runtime.init_distributed(args.device)
     variant = split_variant(args.worker)
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    trainer = mode_table.build(variant.base, spec, rank, shard=args.shard,
-                               executors=variant.executors or "fused", memory=MemoryConfig(**variant.memory),
-                               activation_memory_budget=variant.amb)
+    trainer = mode_table.build(
+        variant.base,
+        spec,
+        rank,
+        shard=args.shard,
+        executors=variant.executors or "fused",
+        memory=MemoryConfig(**variant.memory),
+        activation_memory_budget=variant.amb,
+    )
     for group in trainer.optimizer.param_groups:
         group["lr"] = args.lr
     losses, times = [], []
@@ -110,18 +119,38 @@ def worker(args) -> int:
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
-    runtime.print_result({"mode": args.worker, "rank": rank.rank, "losses": losses, "peak_bytes": peak,
-                          "seconds": sum(times)})
+    runtime.print_result(
+        {"mode": args.worker, "rank": rank.rank, "losses": losses, "peak_bytes": peak, "seconds": sum(times)}
+    )
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
 
 
 def run_mode(args, mode: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
-           str(Path(__file__).resolve()), "--worker", mode, "--model", args.model, "--block-size",
-           str(args.block_size), "--steps", str(args.steps), "--lr", repr(args.lr), "--shard", args.shard,
-           "--device", args.device, *(["--n-layers", str(args.n_layers)] if args.n_layers else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc_per_node}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--model",
+        args.model,
+        "--block-size",
+        str(args.block_size),
+        "--steps",
+        str(args.steps),
+        "--lr",
+        repr(args.lr),
+        "--shard",
+        args.shard,
+        "--device",
+        args.device,
+        *(["--n-layers", str(args.n_layers)] if args.n_layers else []),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -140,12 +169,19 @@ def differences(rows: list[dict]) -> list[dict]:
     ok = [r for r in rows if r["status"] == "ok"]
     out = []
     for i, a in enumerate(ok):
-        for b in ok[i + 1:]:
+        for b in ok[i + 1 :]:
             gaps = [abs(x - y) for x, y in zip(a["losses"], b["losses"])]
             worst = max(range(len(gaps)), key=gaps.__getitem__)
             tail = gaps[-TAIL:]
-            out.append({"a": a["mode"], "b": b["mode"], "max_abs": gaps[worst], "at_step": worst + 1,
-                        "tail_mean_abs": sum(tail) / len(tail)})
+            out.append(
+                {
+                    "a": a["mode"],
+                    "b": b["mode"],
+                    "max_abs": gaps[worst],
+                    "at_step": worst + 1,
+                    "tail_mean_abs": sum(tail) / len(tail),
+                }
+            )
     return out
 
 
@@ -158,8 +194,9 @@ def render(rows: list[dict], pairs: list[dict]) -> str:
         peak = f"{r['peak_bytes'] / 2**30:.2f} GiB" if r.get("peak_bytes") else "-"
         lines.append(f"| {r['mode']} | ok | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} | {peak} |")
     lines += ["", "| modes | largest difference (step) | mean difference, last steps |", "|---|---|---|"]
-    lines += [f"| {p['a']} vs {p['b']} | {p['max_abs']:.4f} ({p['at_step']}) | {p['tail_mean_abs']:.4f} |"
-              for p in pairs]
+    lines += [
+        f"| {p['a']} vs {p['b']} | {p['max_abs']:.4f} ({p['at_step']}) | {p['tail_mean_abs']:.4f} |" for p in pairs
+    ]
     return "\n".join(lines)
 
 
@@ -177,8 +214,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     top.set_title(title)
     top.legend()
     for r in ok[1:]:
-        bottom.plot(range(1, len(r["losses"]) + 1), [x - y for x, y in zip(r["losses"], ok[0]["losses"])],
-                    label=f"{r['mode']} - {ok[0]['mode']}", linewidth=1)
+        bottom.plot(
+            range(1, len(r["losses"]) + 1),
+            [x - y for x, y in zip(r["losses"], ok[0]["losses"])],
+            label=f"{r['mode']} - {ok[0]['mode']}",
+            linewidth=1,
+        )
     bottom.set_ylabel("difference")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=7)

@@ -102,19 +102,29 @@ def main(argv: list[str] | None = None) -> int:
         ax.plot([q.step_ms for q in qs], [q.peak_gib for q in qs], marker="o", label=name)
         for q in qs:
             # a label near one already placed goes below its point (points come highest first), away from that one
-            near = any(abs(q.step_ms - px) / span_x < 0.12 and abs(q.peak_gib - py) / span_y < 0.03
-                       for px, py in placed)
+            near = any(
+                abs(q.step_ms - px) / span_x < 0.12 and abs(q.peak_gib - py) / span_y < 0.03 for px, py in placed
+            )
             placed.append((q.step_ms, q.peak_gib))
-            ax.annotate(q.mode, (q.step_ms, q.peak_gib), textcoords="offset points", xytext=(4, -9 if near else 3),
-                        fontsize=6)
+            ax.annotate(
+                q.mode, (q.step_ms, q.peak_gib), textcoords="offset points", xytext=(4, -9 if near else 3), fontsize=6
+            )
     if args.cap_gb:
         cap = args.cap_gb * 1e9 / 2**30
         ax.axhline(cap, color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(f"cap {args.cap_gb:g} GB", (min(q.step_ms for q in points), cap), textcoords="offset points",
-                    xytext=(0, 3), fontsize=6, color="grey")
+        ax.annotate(
+            f"cap {args.cap_gb:g} GB",
+            (min(q.step_ms for q in points), cap),
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=6,
+            color="grey",
+        )
     c = runs[0]["config"]
-    title = (f"{c['model']}, {c['n_layers'] or _layers(c['model'])} layers, {c['block_size']} tokens, "
-             f"{c['nproc_per_node']} rank(s)")
+    title = (
+        f"{c['model']}, {c['n_layers'] or _layers(c['model'])} layers, {c['block_size']} tokens, "
+        f"{c['nproc_per_node']} rank(s)"
+    )
     if len(runs) > 1:
         title += f"; {len(runs)} runs"
     ax.set_title(title, fontsize=9)

@@ -65,9 +65,26 @@ def main(argv=None) -> int:
         return worker(args)
     rows = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", args.model,
-               "--n-layers", str(args.n_layers), "--block-size", str(args.block_size), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--top", str(args.top), "--device", args.device]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            mode,
+            "--model",
+            args.model,
+            "--n-layers",
+            str(args.n_layers),
+            "--block-size",
+            str(args.block_size),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--top",
+            str(args.top),
+            "--device",
+            args.device,
+        ]
         if args.trace_dir:
             cmd += ["--trace-dir", args.trace_dir]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -76,7 +93,7 @@ def main(argv=None) -> int:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             print(f"{mode}: failed: {' | '.join(tail)}", flush=True)
             continue
-        row = json.loads(lines[-1][len("PROFILE "):])
+        row = json.loads(lines[-1][len("PROFILE ") :])
         rows.append(row)
         print(render(row), flush=True)
     if args.json:
@@ -92,11 +109,13 @@ def annotation(ev) -> bool:
 
 
 def render(row: dict) -> str:
-    idle = row['profiled_ms'] - row['busy_ms']
-    out = [f"== {row['mode']}: step {row['step_ms']:.1f} ms (forward+loss {row['forward_ms']:.1f}, backward "
-           f"{row['backward_ms']:.1f}, optimizer {row['optimizer_ms']:.1f}); profiled step "
-           f"{row['profiled_ms']:.1f} ms, GPU busy {row['busy_ms']:.1f} ms, idle {idle:.1f} ms, "
-           f"{row['kernels']:.0f} kernels a step"]
+    idle = row["profiled_ms"] - row["busy_ms"]
+    out = [
+        f"== {row['mode']}: step {row['step_ms']:.1f} ms (forward+loss {row['forward_ms']:.1f}, backward "
+        f"{row['backward_ms']:.1f}, optimizer {row['optimizer_ms']:.1f}); profiled step "
+        f"{row['profiled_ms']:.1f} ms, GPU busy {row['busy_ms']:.1f} ms, idle {idle:.1f} ms, "
+        f"{row['kernels']:.0f} kernels a step"
+    ]
     for kind, ms in sorted(row["by_kind"].items(), key=lambda kv: -kv[1]):
         out.append(f"   {kind:<12} {ms:8.2f} ms  {row['count_by_kind'][kind]:6.0f} kernels")
     for phase, kinds in row["by_phase"].items():
@@ -158,8 +177,14 @@ def worker(args) -> int:
     rank = runtime.init_distributed(args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    trainer = modes.build(variant.base, spec, rank, executors=variant.executors or "default+cat",
-                          memory=MemoryConfig(**variant.memory), activation_memory_budget=variant.amb)
+    trainer = modes.build(
+        variant.base,
+        spec,
+        rank,
+        executors=variant.executors or "default+cat",
+        memory=MemoryConfig(**variant.memory),
+        activation_memory_budget=variant.amb,
+    )
     idx, targets = models.batch(spec, device=rank.device)
     for _ in range(args.warmup):
         trainer.step(idx, targets)
@@ -176,11 +201,15 @@ def worker(args) -> int:
         profiled = (time.perf_counter() - t0) / n
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(args.trace_dir, "".join(c if c.isalnum() else "_" for c in args.worker)
-                                              + ".json"))
+        prof.export_chrome_trace(
+            os.path.join(args.trace_dir, "".join(c if c.isalnum() else "_" for c in args.worker) + ".json")
+        )
     events = prof.events()
-    marks = [(ev.time_range.start, ev.time_range.end, ev.name[len(PHASE_MARK):]) for ev in events
-             if ev.name.startswith(PHASE_MARK) and ev.device_type == torch.autograd.DeviceType.CPU]
+    marks = [
+        (ev.time_range.start, ev.time_range.end, ev.name[len(PHASE_MARK) :])
+        for ev in events
+        if ev.name.startswith(PHASE_MARK) and ev.device_type == torch.autograd.DeviceType.CPU
+    ]
     per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_phase: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for ev in events:
@@ -196,12 +225,19 @@ def worker(args) -> int:
     for name, (ms, count) in per_name.items():
         by_kind[kind_of(name)] += ms
         count_by_kind[kind_of(name)] += count
-    top = sorted(((name, ms, count) for name, (ms, count) in per_name.items()), key=lambda t: -t[1])[:args.top]
-    row = {"mode": args.worker, **{k: statistics.median(v) for k, v in phases.items()},
-           "profiled_ms": profiled * 1e3, "busy_ms": sum(by_kind.values()),
-           "kernels": sum(count_by_kind.values()), "by_kind": by_kind, "by_phase": by_phase,
-           "count_by_kind": count_by_kind, "top": top,
-           "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None}
+    top = sorted(((name, ms, count) for name, (ms, count) in per_name.items()), key=lambda t: -t[1])[: args.top]
+    row = {
+        "mode": args.worker,
+        **{k: statistics.median(v) for k, v in phases.items()},
+        "profiled_ms": profiled * 1e3,
+        "busy_ms": sum(by_kind.values()),
+        "kernels": sum(count_by_kind.values()),
+        "by_kind": by_kind,
+        "by_phase": by_phase,
+        "count_by_kind": count_by_kind,
+        "top": top,
+        "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+    }
     sys.stdout.write("PROFILE " + json.dumps(row) + "\n")
     return 0
 

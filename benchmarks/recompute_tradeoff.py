@@ -50,28 +50,38 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="stablecode-completion-alpha-3b")
     p.add_argument("--block-size", type=int, default=8192)
-    p.add_argument("--no-fold", dest="fold", action="store_false",
-                   help="leave the casts as Thunder makes them (the transform folds them first, as on CUDA)")
+    p.add_argument(
+        "--no-fold",
+        dest="fold",
+        action="store_false",
+        help="leave the casts as Thunder makes them (the transform folds them first, as on CUDA)",
+    )
     args = p.parse_args()
     sdpaex._fused_sdp_choice = lambda *a, **k: sdpaex.SpdaBackend.FLASH_ATTENTION
-    pairs = [traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold)
-             for n in (1, 2)]
+    pairs = [
+        traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold) for n in (1, 2)
+    ]
     one, two = (figures(*pair, WEIGHTS) for pair in pairs)
     folded = "casts folded as on CUDA" if args.fold else "casts as Thunder makes them"
     print(f"{args.model}, {args.block_size} tokens, bf16, {folded}, per layer (2 layers less 1 layer)")
     print("| recompute_weight | saved | estimated peak | recomputation traffic |\n|---|---|---|---|")
     for w in (None, *WEIGHTS):
         saved, peak, traffic = (b - a for a, b in zip(one[w], two[w]))
-        print(f"| {'no transform' if w is None else w} | {saved / 1e6:.0f} MB | {peak / 1e6:.0f} MB | "
-              f"{traffic / 1e9:.2f} GB |")
+        print(
+            f"| {'no transform' if w is None else w} | {saved / 1e6:.0f} MB | {peak / 1e6:.0f} MB | "
+            f"{traffic / 1e9:.2f} GB |"
+        )
     forward, backward = pairs[1]
     forward, backward = recompute.apply_plan(
-        forward, backward, recompute.plan_saved(forward, recompute_weight=DEFAULT_RECOMPUTE_WEIGHT))
+        forward, backward, recompute.plan_saved(forward, recompute_weight=DEFAULT_RECOMPUTE_WEIGHT)
+    )
     before = estimate_traces(forward, backward).peak_bytes
     new_forward, new_backward, (won_forward, won_backward) = reorder.reorder_pair(forward, backward)
     after = estimate_traces(new_forward, new_backward).peak_bytes
-    print(f"reorder, 2 layers, weight {DEFAULT_RECOMPUTE_WEIGHT}: estimated peak {before:,} -> {after:,} bytes "
-          f"(forward: {won_forward}, backward: {won_backward})")
+    print(
+        f"reorder, 2 layers, weight {DEFAULT_RECOMPUTE_WEIGHT}: estimated peak {before:,} -> {after:,} bytes "
+        f"(forward: {won_forward}, backward: {won_backward})"
+    )
     return 0
 
 

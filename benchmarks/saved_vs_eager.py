@@ -45,8 +45,11 @@ def main() -> int:
             eager = measure(spec, dtype)
             plain = measure(spec, dtype, [])
             mem = measure(spec, dtype, [FSDPMemoryTransform(strict=True)])
-            print(f"| {family}, {name}, {args.n_layers} blocks | {eager:,} | {plain:,} ({plain / eager:.2f}x) | "
-                  f"{mem:,} ({mem / eager:.2f}x) |", flush=True)
+            print(
+                f"| {family}, {name}, {args.n_layers} blocks | {eager:,} | {plain:,} ({plain / eager:.2f}x) | "
+                f"{mem:,} ({mem / eager:.2f}x) |",
+                flush=True,
+            )
     return 0
 
 

@@ -25,8 +25,7 @@ from thunder_fsdp_mem.training import models, runtime  # noqa: E402
 from thunder_fsdp_mem.transform import FSDPMemoryTransform  # noqa: E402
 
 
-def compile_seconds(spec: models.ModelSpec, transforms: list, device_type: str, executors: str
-                    ) -> tuple[float, object]:
+def compile_seconds(spec: models.ModelSpec, transforms: list, device_type: str, executors: str) -> tuple[float, object]:
     chosen = runtime.executors(executors)
     with meta.as_on(device_type, chosen):
         model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
@@ -50,8 +49,10 @@ def main() -> int:
     transform = FSDPMemoryTransform(strict=True)
     with_it, _ = compile_seconds(spec, [transform], args.device_type, args.executors)
     seconds = sum(r.seconds for r in transform.rewrites)
-    print(f"{args.model}, {args.n_layers} layers, {args.block_size} tokens, thunder.jit on meta as on "
-          f"{args.device_type}, executors {args.executors}")
+    print(
+        f"{args.model}, {args.n_layers} layers, {args.block_size} tokens, thunder.jit on meta as on "
+        f"{args.device_type}, executors {args.executors}"
+    )
     print(f"Thunder compile, first call: {plain:.1f} s without the transform, {with_it:.1f} s with it")
     print(f"transform: {seconds:.2f} s = {100 * seconds / plain:.2f}% of Thunder's compile time")
     print(transform.summary())

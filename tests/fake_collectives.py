@@ -10,8 +10,11 @@ from thunder.extend import OperatorExecutor
 collectives = OperatorExecutor("thunder_fsdp_mem_test_collectives", version="0.1")
 
 reduce_scatter = collectives.register_operator(
-    "torch_reduce_scatter_prim_impl", meta=lambda a: TensorProxy(like=a), fn=lambda a: a.clone())
+    "torch_reduce_scatter_prim_impl", meta=lambda a: TensorProxy(like=a), fn=lambda a: a.clone()
+)
 all_gather = collectives.register_operator(
-    "torch_all_gather_prim_impl", meta=lambda a: TensorProxy(like=a, shape=(2 * a.shape[0], *a.shape[1:])),
-    fn=lambda a: torch.cat([a, a]))
+    "torch_all_gather_prim_impl",
+    meta=lambda a: TensorProxy(like=a, shape=(2 * a.shape[0], *a.shape[1:])),
+    fn=lambda a: torch.cat([a, a]),
+)
 wait = collectives.register_operator("torch_wait_prim_impl", meta=lambda f: TensorProxy(like=f), fn=lambda f: f)

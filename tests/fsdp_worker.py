@@ -25,10 +25,19 @@ def main(configurations: list[str]) -> None:
                 p.grad = None
             measured = memtracker_peak(jitted, idx, targets, tracked=(jitted,))
             estimate = estimate_step(jitted)
-            row = {"family": family, "dtype": dtype_name, "shard": shard, "rank": rank.rank,
-                   "measured": measured, "estimated": estimate.peak_bytes,
-                   "gathered_saved": sum(1 for a in estimate.forward.allocations
-                                         if a.category.value == "gathered parameter" and a.end is None)}
+            row = {
+                "family": family,
+                "dtype": dtype_name,
+                "shard": shard,
+                "rank": rank.rank,
+                "measured": measured,
+                "estimated": estimate.peak_bytes,
+                "gathered_saved": sum(
+                    1
+                    for a in estimate.forward.allocations
+                    if a.category.value == "gathered parameter" and a.end is None
+                ),
+            }
             runtime.print_result(row)
     exit_worker()
 

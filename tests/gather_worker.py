@@ -25,8 +25,9 @@ from thunder_fsdp_mem.training import models, modes, runtime
 
 
 def _step(mode, spec, rank, shard, executors):
-    trainer = modes.build(mode, spec, rank, shard=shard, executors=executors, dtype=torch.bfloat16,
-                          memory=MemoryConfig(strict=True))
+    trainer = modes.build(
+        mode, spec, rank, shard=shard, executors=executors, dtype=torch.bfloat16, memory=MemoryConfig(strict=True)
+    )
     return _run(trainer.model, spec, rank)
 
 
@@ -36,8 +37,11 @@ def _step_listed(spec, rank, shard):
 
     model = modes._gpt(spec, rank, torch.bfloat16)  # the model modes.build wraps, initialised the same way
     strategy = runtime.fsdp_type(shard)
-    jitted = thunder.jit(model, executors=runtime.executors("default"), transforms=[
-        FSDPTransform(device=rank.device, sharding_strategy=strategy), FSDPMemoryTransform(strict=True)])
+    jitted = thunder.jit(
+        model,
+        executors=runtime.executors("default"),
+        transforms=[FSDPTransform(device=rank.device, sharding_strategy=strategy), FSDPMemoryTransform(strict=True)],
+    )
     return _run(jitted, spec, rank)
 
 
@@ -88,8 +92,9 @@ def inputs_held_until_waits(backward) -> bool:
     wait the two timelines differ by exactly the bytes of every reduce-scatter's input."""
     bsyms = backward.bound_symbols
     futures = {b.flat_proxy_outs[0].name for b in bsyms if ops.sym_id(b) == ops.REDUCE_SCATTER}
-    first_wait = next(i for i, b in enumerate(bsyms)
-                      if ops.sym_id(b) in ops.WAITS and b.flat_proxy_args[0].name in futures)
+    first_wait = next(
+        i for i, b in enumerate(bsyms) if ops.sym_id(b) in ops.WAITS and b.flat_proxy_args[0].name in futures
+    )
     inputs = sum(ops.nbytes(ops.tensor_args(b)[0]) for b in bsyms if ops.sym_id(b) == ops.REDUCE_SCATTER)
     on_cuda = analyze(backward, device_type="cuda").timeline[first_wait - 1]
     on_cpu = analyze(backward, device_type="cpu").timeline[first_wait - 1]
@@ -120,15 +125,19 @@ def transform_warns_and_keeps(forward, backward) -> bool:
     broken = from_trace(forward)
     broken.bound_symbols = bsyms
     future = bsyms[g.gather].flat_proxy_outs[0].name
-    transform = FSDPMemoryTransform(MemoryConfig(fold_casts=False, rematerialize=False, reorder=False,
-                                                 scatters=False))
+    transform = FSDPMemoryTransform(MemoryConfig(fold_casts=False, rematerialize=False, reorder=False, scatters=False))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         placeholder = transform.transform_trace_post_optimization(broken)
         new_backward = transform.transform_trace_post_optimization(backward)
     ours = [str(w.message) for w in caught if "FSDPMemoryTransform" in str(w.message)]
-    return (len(ours) == 1 and "pass 'all-gathers' refused" in ours[0] and future in ours[0]
-            and list(placeholder.bound_symbols) == bsyms and new_backward is backward)
+    return (
+        len(ours) == 1
+        and "pass 'all-gathers' refused" in ours[0]
+        and future in ours[0]
+        and list(placeholder.bound_symbols) == bsyms
+        and new_backward is backward
+    )
 
 
 def refuses_a_future_read_by_another_symbol(forward) -> bool:
@@ -153,22 +162,37 @@ def main(*args: str) -> None:
         loss_m, grads_m, forward_m, backward_m = _step("thunder-fsdp+mem", spec, rank, shard, executors)
         most, saved = gathered_at_once(forward)
         most_m, saved_m = gathered_at_once(forward_m)
-        row = {"family": family, "shard": shard, "rank": rank.rank, "executors": executors,
-               "loss_equal": bool(torch.equal(loss, loss_m)), "grads_equal": _equal(grads, grads_m),
-               "n_grads": len(grads), "gathers": len(gathers.match(forward.bound_symbols)),
-               "at_once": most, "at_once_mem": most_m, "saved": saved, "saved_mem": saved_m,
-               "gathered_again": sum(ops.sym_id(b) == ops.ALL_GATHER for b in backward_m.bound_symbols),
-               "fusions": sum(ops.is_fusion(b) for b in (*forward.bound_symbols, *backward.bound_symbols)),
-               "scatters": sum(ops.sym_id(b) == ops.REDUCE_SCATTER for b in backward.bound_symbols),
-               "scatters_at_once": scatters_in_flight(backward), "scatters_at_once_mem": scatters_in_flight(backward_m)}
+        row = {
+            "family": family,
+            "shard": shard,
+            "rank": rank.rank,
+            "executors": executors,
+            "loss_equal": bool(torch.equal(loss, loss_m)),
+            "grads_equal": _equal(grads, grads_m),
+            "n_grads": len(grads),
+            "gathers": len(gathers.match(forward.bound_symbols)),
+            "at_once": most,
+            "at_once_mem": most_m,
+            "saved": saved,
+            "saved_mem": saved_m,
+            "gathered_again": sum(ops.sym_id(b) == ops.ALL_GATHER for b in backward_m.bound_symbols),
+            "fusions": sum(ops.is_fusion(b) for b in (*forward.bound_symbols, *backward.bound_symbols)),
+            "scatters": sum(ops.sym_id(b) == ops.REDUCE_SCATTER for b in backward.bound_symbols),
+            "scatters_at_once": scatters_in_flight(backward),
+            "scatters_at_once_mem": scatters_in_flight(backward_m),
+        }
         if executors == "default":
             loss_l, grads_l, forward_l, _ = _step_listed(spec, rank, shard)
-            row.update({"listed_equal": bool(torch.equal(loss, loss_l)) and _equal(grads, grads_l),
-                        "listed_saved": gathered_at_once(forward_l)[1],
-                        "refuses": refuses_a_future_read_by_another_symbol(forward),
-                        "warns": transform_warns_and_keeps(forward, backward),
-                        "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
-                        "held": inputs_held_until_waits(backward)})
+            row.update(
+                {
+                    "listed_equal": bool(torch.equal(loss, loss_l)) and _equal(grads, grads_l),
+                    "listed_saved": gathered_at_once(forward_l)[1],
+                    "refuses": refuses_a_future_read_by_another_symbol(forward),
+                    "warns": transform_warns_and_keeps(forward, backward),
+                    "scatters_refuse": scatters_refuse_a_future_read_by_another_symbol(backward),
+                    "held": inputs_held_until_waits(backward),
+                }
+            )
         runtime.print_result(row)
     exit_worker()
 

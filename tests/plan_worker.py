@@ -24,11 +24,13 @@ def measured_peak(config: MemoryConfig, rank) -> int:
     torch.manual_seed(0)
     gpt = modes.shard_fsdp2(GPT(SPEC.config()).to(torch.bfloat16), "zero2")
     if config.saved_budget is None and config.memory_budget is not None:  # the user's one call
-        config = plan_fsdp2(gpt, memory_budget=config.memory_budget, tokens=SPEC.block_size, executors=EXECUTORS,
-                            device_type="cpu")
+        config = plan_fsdp2(
+            gpt, memory_budget=config.memory_budget, tokens=SPEC.block_size, executors=EXECUTORS, device_type="cpu"
+        )
     backend = ThunderCompiler(executors=runtime.executors(EXECUTORS), transforms=[FSDPMemoryTransform(config)])
-    trainer = modes.Trainer("fsdp2-thunder+mem", torch.compile(gpt, backend=backend),
-                            torch.optim.AdamW(gpt.parameters(), lr=1e-4))
+    trainer = modes.Trainer(
+        "fsdp2-thunder+mem", torch.compile(gpt, backend=backend), torch.optim.AdamW(gpt.parameters(), lr=1e-4)
+    )
     idx, targets = models.batch(SPEC, seed=rank.rank)
     trainer.step(idx, targets)
     peaks = []
@@ -47,8 +49,17 @@ def main() -> None:
     unbudgeted, _ = measured_peak(MemoryConfig(), rank)
     budgeted, config = measured_peak(MemoryConfig(memory_budget=budget), rank)
     planned = fsdp2.compose_step(SPEC, transform=FSDPMemoryTransform(config), **options).peak_bytes
-    runtime.print_result({"rank": rank.rank, "budget": budget, "predicted": predicted, "unbudgeted": unbudgeted,
-                          "budgeted": budgeted, "planned": planned, "saved_budget": config.saved_budget})
+    runtime.print_result(
+        {
+            "rank": rank.rank,
+            "budget": budget,
+            "predicted": predicted,
+            "unbudgeted": unbudgeted,
+            "budgeted": budgeted,
+            "planned": planned,
+            "saved_budget": config.saved_budget,
+        }
+    )
     exit_worker()
 
 

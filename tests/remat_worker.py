@@ -36,9 +36,15 @@ def main(family: str, dtype_name: str) -> None:
     for mode in ("thunder-fsdp", "fsdp2-thunder"):
         loss, grads, saved = _step(mode, spec, rank, dtype)
         loss_m, grads_m, saved_m = _step(mode + "+mem", spec, rank, dtype)
-        row = {"mode": mode, "rank": rank.rank, "loss_equal": bool(torch.equal(loss, loss_m)),
-               "grads_equal": len(grads) == len(grads_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m)),
-               "n_grads": len(grads), "saved": saved, "saved_mem": saved_m}
+        row = {
+            "mode": mode,
+            "rank": rank.rank,
+            "loss_equal": bool(torch.equal(loss, loss_m)),
+            "grads_equal": len(grads) == len(grads_m) and all(torch.equal(a, b) for a, b in zip(grads, grads_m)),
+            "n_grads": len(grads),
+            "saved": saved,
+            "saved_mem": saved_m,
+        }
         runtime.print_result(row)
     exit_worker()
 

@@ -22,11 +22,27 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cast_check import differ, every_value  # noqa: E402
 
 TORCH_OPS = {
-    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "expm1": torch.expm1, "log": torch.log,
-    "log1p": torch.log1p, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "rsqrt": torch.rsqrt,
-    "reciprocal": torch.reciprocal, "cos": torch.cos, "sin": torch.sin, "sqrt": torch.sqrt, "erf": torch.erf,
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "true_divide": torch.true_divide,
-    "torch_div_prim_impl": torch.true_divide, "maximum": torch.maximum, "minimum": torch.minimum,
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "expm1": torch.expm1,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "cos": torch.cos,
+    "sin": torch.sin,
+    "sqrt": torch.sqrt,
+    "erf": torch.erf,
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "true_divide": torch.true_divide,
+    "torch_div_prim_impl": torch.true_divide,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
 }
 BINARY = ("add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", "minimum")
 INEXACT = (1.4142135623730951, 0.42044820762685725, 1e-05)
@@ -48,8 +64,10 @@ def test_the_cpu_tables_hold_for_every_value(low, dtype):
             assert wrong == 0, (name, wrong)
     for name in ("add", "sub", "mul", "true_divide"):
         for position in (0, 1):
+
             def f(v, n):
                 return TORCH_OPS[name](*((n, v) if position == 0 else (v, n)))
+
             wrong = sum(differ(f(x, n), f(x.float(), n).to(dtype)) for n in INEXACT)
             if (name, position) in casts.INEXACT_NUMBER["cpu"]:
                 assert wrong == 0, (name, position, wrong)
@@ -71,16 +89,16 @@ def test_the_cpu_tables_hold_at_every_small_length_strided_and_broadcast(low, dt
     for n in range(1, 68):
         bits = torch.randint(-32768, 32768, (2 * n + 3,), generator=g, dtype=torch.int32).to(torch.int16)
         for x in (bits.view(dtype), (torch.randn(2 * n + 3, generator=g) * 4).to(dtype)):
-            views = (x[:n], x[1:2 * n + 1:2], x[:n].view(n, 1).expand(n, 3)[:, 1])
+            views = (x[:n], x[1 : 2 * n + 1 : 2], x[:n].view(n, 1).expand(n, 3)[:, 1])
             for name in (*casts.FOLDABLE["cpu"][low], "rsqrt"):
                 f = TORCH_OPS[name]
                 for v in views:
                     if name not in BINARY:
                         count(name, f(v), f(v.float()).to(dtype))
                         continue
-                    for w in (x[n:2 * n], x[2:3]):
+                    for w in (x[n : 2 * n], x[2:3]):
                         count(name, f(v, w), f(v.float(), w.float()).to(dtype))
-                    row, column = x[:n].view(n, 1), x[n:n + 3].view(1, 3)
+                    row, column = x[:n].view(n, 1), x[n : n + 3].view(1, 3)
                     count(name, f(row, column), f(row.float(), column.float()).to(dtype))
             for name in ("add", "sub", "mul", "true_divide"):
                 for position in (0, 1):
@@ -140,8 +158,11 @@ def test_an_inexact_number_first_in_a_product_is_left_between_casts_on_cpu():
     # torch.mul(0.42, x) on CPU rounds 0.42 to bf16 first (with it folded, the gradients of litgpt's attention
     # differed); torch.mul(x, 0.42) does not.
     x = torch.randn(64, 256).to(torch.bfloat16)
-    for f, folds in ((lambda v: 0.42044820762685725 * v.exp(), False), (lambda v: v.exp() * 0.42044820762685725, True),
-                     (lambda v: 0.5 * v.exp(), True)):
+    for f, folds in (
+        (lambda v: 0.42044820762685725 * v.exp(), False),
+        (lambda v: v.exp() * 0.42044820762685725, True),
+        (lambda v: 0.5 * v.exp(), True),
+    ):
         trace = _forward(f, x)
         folded = casts.fold_casts(trace)
         assert (_casts(folded) < _casts(trace)) == folds
@@ -151,8 +172,12 @@ def test_an_inexact_number_first_in_a_product_is_left_between_casts_on_cpu():
 def test_the_transform_folds_and_keeps_every_bit():
     spec = dataclasses.replace(BY_NAME["neox"], n_layers=1)
     results = []
-    for config in (None, MemoryConfig(rematerialize=False, reorder=False, strict=True),
-                   MemoryConfig(fold_casts=False, strict=True), MemoryConfig(strict=True)):
+    for config in (
+        None,
+        MemoryConfig(rematerialize=False, reorder=False, strict=True),
+        MemoryConfig(fold_casts=False, strict=True),
+        MemoryConfig(strict=True),
+    ):
         model = models.build(spec, dtype=torch.bfloat16)
         jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])
         loss = jitted(*models.batch(spec))

@@ -32,8 +32,10 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["report", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
         (["report", "--plot", "timeline.txt"], "must end in .png, .svg or .pdf"),
         (["report", "--executors", "nvfuser"], "(choose from 'default', 'default+cat', 'fused')"),
-        (["report", "--model", "Gemma-2-2b", "--n-layers", "1", "--block-size", "16"],
-         "--mode fsdp2 does not model final_logit_softcapping"),
+        (
+            ["report", "--model", "Gemma-2-2b", "--n-layers", "1", "--block-size", "16"],
+            "--mode fsdp2 does not model final_logit_softcapping",
+        ),
         (["report", "--fit", "0"], "--fit must be more than 0 bytes"),
         (["report", "--fit", "lots"], "--fit: cannot read 'lots' as a size"),
         (["report", "--fit", "80GB", "--memory-budget", "60GB"], "drop --memory-budget"),
@@ -115,8 +117,24 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
 
 def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     out, plot, snapshot = tmp_path / "r.json", tmp_path / "r.svg", tmp_path / "step.pickle"
-    assert main(["report", *SMALL, "--n-layers", "2", "--transform", "--json", str(out), "--plot", str(plot),
-                 "--snapshot", str(snapshot)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                *SMALL,
+                "--n-layers",
+                "2",
+                "--transform",
+                "--json",
+                str(out),
+                "--plot",
+                str(plot),
+                "--snapshot",
+                str(snapshot),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "without transform" in text and "with transform" in text
     report = json.loads(out.read_text())
@@ -132,16 +150,32 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     # without it saves before and the plan with it saves after (the same traces, estimated step by step).
     passes = report["transform_passes"]
     assert "What the transform did" in text and [p["pass_name"] for p in passes][:3] == [
-        "folded casts", "fusion rematerialization", "rematerialization"]
+        "folded casts",
+        "fusion rematerialization",
+        "rematerialization",
+    ]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
     # The JSON names the plan of its top-level figures, carries the settings and the versions, and, per plan, the
     # categories at its peak, its top allocations and its timeline (split by category, phases marked).
     assert report["plan"] == "with transform"
-    assert report["settings"] == {"model": "pythia-14m", "n_layers": 2, "block_size": 32, "micro_batch_size": 1,
-                                  "dtype": "bf16", "mode": "jit", "shard": None, "world_size": 1, "device": "cpu",
-                                  "executors": "default+cat", "transform": True, "memory_budget_bytes": None,
-                                  "measured": False, "fit_bytes": None, "memory_cap_bytes": None}
+    assert report["settings"] == {
+        "model": "pythia-14m",
+        "n_layers": 2,
+        "block_size": 32,
+        "micro_batch_size": 1,
+        "dtype": "bf16",
+        "mode": "jit",
+        "shard": None,
+        "world_size": 1,
+        "device": "cpu",
+        "executors": "default+cat",
+        "transform": True,
+        "memory_budget_bytes": None,
+        "measured": False,
+        "fit_bytes": None,
+        "memory_cap_bytes": None,
+    }
     assert report["versions"]["torch"] == torch.__version__ and "lightning-thunder" in report["versions"]
     for plan in report["plans"]:
         assert sum(plan["by_category"].values()) == plan["peak_bytes"] and plan["top"]
@@ -152,8 +186,11 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     # Both plans as memory snapshots, each reaching its plan's peak when its events are replayed.
     for path, plan in ((snapshot, with_it), (tmp_path / "step-without-transform.pickle", without)):
         events = pickle.loads(path.read_bytes())["device_traces"][0]
-        steps = [e["size"] if e["action"] == "alloc" else -e["size"] for e in events
-                 if e["action"] in ("alloc", "free_completed")]
+        steps = [
+            e["size"] if e["action"] == "alloc" else -e["size"]
+            for e in events
+            if e["action"] in ("alloc", "free_completed")
+        ]
         before = plan["persistent_bytes"] + plan["optimizer_state_bytes"]  # alive before the step: no events
         assert before + max(itertools.accumulate(steps)) == plan["peak_bytes"], path
 
@@ -178,8 +215,9 @@ def test_a_prediction_beyond_the_device_says_so(capsys):
     # models.batch on meta makes shapes only).
     idx, _ = models.batch(models.ModelSpec(name="pythia-14m", block_size=10**9), device="meta")
     assert idx.shape == (1, 10**9) and idx.device.type == "meta"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", str(10**7),
-                 "--mode", "jit"]) == 0
+    assert (
+        main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", str(10**7), "--mode", "jit"]) == 0
+    )
     assert "(more than an H200 holds: 140.40 GiB)" in capsys.readouterr().out.strip().splitlines()[-1]
 
 
@@ -189,13 +227,13 @@ def test_piped_stderr_shows_progress_lines_and_no_import_noise():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "thunder_fsdp_mem.cli", "report", *SMALL], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "thunder_fsdp_mem.cli", "report", *SMALL], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "thunder-fsdp-mem: tracing 1 layer on the meta device: 0/1 ..." in proc.stderr
     assert "thunder-fsdp-mem: tracing 1 layer on the meta device: 1/1 done" in proc.stderr
     assert "transformer_engine" not in proc.stderr and "No CUDA runtime" not in proc.stderr
-
 
 
 def test_fusion_rematerialize_is_on_by_default_and_plans_fsdp2s_fused_blocks_to_save_less(tmp_path, capsys):
@@ -204,8 +242,29 @@ def test_fusion_rematerialize_is_on_by_default_and_plans_fsdp2s_fused_blocks_to_
     # --no-fusion-rematerialize the block saves what it saved without the transform.
     def plans(*flags):
         out = tmp_path / "r.json"
-        assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "128", "--mode", "fsdp2",
-                     "--world-size", "1", "--executors", "fused", *flags, "--json", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "report",
+                    "--model",
+                    "pythia-14m",
+                    "--n-layers",
+                    "1",
+                    "--block-size",
+                    "128",
+                    "--mode",
+                    "fsdp2",
+                    "--world-size",
+                    "1",
+                    "--executors",
+                    "fused",
+                    *flags,
+                    "--json",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         return json.loads(out.read_text())
 
     data = plans("--transform")
@@ -221,8 +280,26 @@ def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
     from thunder_fsdp_mem.reserved import rounded
 
     out = tmp_path / "r.json"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "64", "--mode", "jit",
-                 "--memory-cap", "1GB", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "pythia-14m",
+                "--n-layers",
+                "1",
+                "--block-size",
+                "64",
+                "--mode",
+                "jit",
+                "--memory-cap",
+                "1GB",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     reserved = data["plans"][0]["reserved"]
@@ -239,8 +316,28 @@ def test_a_budget_with_a_cap_is_planned_and_judged_under_the_cap(tmp_path, capsy
     # the allocator's replay runs out there (its 24.94 MiB of temporaries find no cached block, and a segment more
     # passes the cap), so a budget of 131 MiB under that cap cannot be met, whatever the plan recomputes.
     out = tmp_path / "r.json"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "64", "--mode", "jit",
-                 "--memory-budget", "131MiB", "--memory-cap", "131MiB", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "pythia-14m",
+                "--n-layers",
+                "1",
+                "--block-size",
+                "64",
+                "--mode",
+                "jit",
+                "--memory-budget",
+                "131MiB",
+                "--memory-cap",
+                "131MiB",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     data = json.loads(out.read_text())
     shown = data["plans"][-1]

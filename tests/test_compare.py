@@ -20,8 +20,26 @@ def _run(*args, timeout=1500):
 def comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out.json"
     plot = out.with_suffix(".png")
-    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "2",
-                "--block-size", "128", "--steps", "3", "--warmup", "1", "--json", str(out), "--plot", str(plot))
+    proc = _run(
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "pythia-14m",
+        "--n-layers",
+        "2",
+        "--block-size",
+        "128",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        "--plot",
+        str(plot),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc, plot
 
@@ -29,14 +47,29 @@ def comparison(tmp_path_factory):
 def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
     result, proc, plot = comparison
     rows = {r["mode"]: r for r in result["rows"]}
-    assert set(rows) == {"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem",
-                         "fsdp2-inductor", "fsdp2-eager", "fsdp1-inductor"}
+    assert set(rows) == {
+        "thunder-fsdp",
+        "thunder-fsdp+mem",
+        "fsdp2-thunder",
+        "fsdp2-thunder+mem",
+        "fsdp2-inductor",
+        "fsdp2-eager",
+        "fsdp1-inductor",
+    }
     assert rows.pop("fsdp1-inductor")["status"].startswith("skipped")
     for mode, row in rows.items():
         assert row["status"] == "ok", (mode, row["status"])
         assert row["peak_bytes"] > 0 and row["step_ms"] > 0 and row["tokens_per_s"] > 0
-    assert {"mode", "peak_bytes", "reserved_bytes", "alloc_retries", "step_ms", "tokens_per_s",
-            "estimated_peak_bytes", "status"} <= set(result["rows"][0])
+    assert {
+        "mode",
+        "peak_bytes",
+        "reserved_bytes",
+        "alloc_retries",
+        "step_ms",
+        "tokens_per_s",
+        "estimated_peak_bytes",
+        "status",
+    } <= set(result["rows"][0])
     assert result["config"]["model"] == "pythia-14m"
     assert plot.stat().st_size > 0
     # The progress lines and the table.
@@ -58,9 +91,28 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
     # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; the measured peaks must be
     # those of the modes run one after the other.
     out = tmp_path / "jobs.json"
-    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "2",
-                "--block-size", "128", "--steps", "1", "--warmup", "1", "--modes", "thunder-fsdp,fsdp2-eager",
-                "--jobs", "2", "--json", str(out))
+    proc = _run(
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "pythia-14m",
+        "--n-layers",
+        "2",
+        "--block-size",
+        "128",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--modes",
+        "thunder-fsdp,fsdp2-eager",
+        "--jobs",
+        "2",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     alone = {r["mode"]: r for r in comparison[0]["rows"]}
     for row in json.loads(out.read_text())["rows"]:
@@ -106,9 +158,31 @@ def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path
     from thunder_fsdp_mem.cli import main
 
     out = tmp_path / "report.json"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "2", "--block-size", "128", "--mode",
-                 "thunder-fsdp", "--world-size", "2", "--shard", "zero2", "--device", "cpu", "--transform",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "pythia-14m",
+                "--n-layers",
+                "2",
+                "--block-size",
+                "128",
+                "--mode",
+                "thunder-fsdp",
+                "--world-size",
+                "2",
+                "--shard",
+                "zero2",
+                "--device",
+                "cpu",
+                "--transform",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     without, with_it = json.loads(out.read_text())["plans"]
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
     for plan, mode in ((without, "thunder-fsdp"), (with_it, "thunder-fsdp+mem")):
@@ -123,8 +197,31 @@ def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     from thunder_fsdp_mem.cli import main
 
     out = tmp_path / "report.json"
-    assert main(["report", "--model", "pythia-14m", "--n-layers", "2", "--block-size", "128", "--mode", "fsdp2",
-                 "--world-size", "2", "--shard", "zero2", "--device", "cpu", "--transform", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "pythia-14m",
+                "--n-layers",
+                "2",
+                "--block-size",
+                "128",
+                "--mode",
+                "fsdp2",
+                "--world-size",
+                "2",
+                "--shard",
+                "zero2",
+                "--device",
+                "cpu",
+                "--transform",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     without, with_it = json.loads(out.read_text())["plans"]
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
     for plan, mode in ((without, "fsdp2-thunder"), (with_it, "fsdp2-thunder+mem")):
@@ -139,20 +236,54 @@ def test_an_oom_on_one_rank_in_a_transformed_step_is_an_oom_row_and_no_rank_hang
     import time
 
     start = time.perf_counter()
-    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "1",
-                "--block-size", "64", "--steps", "1", "--warmup", "1", "--modes", "thunder-fsdp+mem",
-                "--inject-oom", "1", "--timeout", "600", timeout=700)
+    proc = _run(
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "pythia-14m",
+        "--n-layers",
+        "1",
+        "--block-size",
+        "64",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--modes",
+        "thunder-fsdp+mem",
+        "--inject-oom",
+        "1",
+        "--timeout",
+        "600",
+        timeout=700,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| thunder-fsdp+mem | OOM |" in proc.stdout
     assert time.perf_counter() - start < 600
 
 
 def test_a_mode_past_its_timeout_ends_with_its_ranks():
-    proc = _run("--device", "cpu", "--nproc-per-node", "2", "--model", "pythia-14m", "--n-layers", "1",
-                "--block-size", "64", "--modes", "fsdp2-eager", "--timeout", "1", timeout=300)
+    proc = _run(
+        "--device",
+        "cpu",
+        "--nproc-per-node",
+        "2",
+        "--model",
+        "pythia-14m",
+        "--n-layers",
+        "1",
+        "--block-size",
+        "64",
+        "--modes",
+        "fsdp2-eager",
+        "--timeout",
+        "1",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fsdp2-eager | timeout after 1 s |" in proc.stdout
-
 
 
 def test_an_oom_row_keeps_the_most_any_rank_held():
@@ -162,8 +293,11 @@ def test_an_oom_row_keeps_the_most_any_rank_held():
     import compare
 
     oom = {"status": "OOM", "estimated_peak_bytes": 70, "allocated_at_oom_bytes": 75, "reserved_at_oom_bytes": 80}
-    waiting = {"status": "error: the collective's peer exited", "estimated_peak_bytes": 70,
-               "allocated_at_oom_bytes": None}
+    waiting = {
+        "status": "error: the collective's peer exited",
+        "estimated_peak_bytes": 70,
+        "allocated_at_oom_bytes": None,
+    }
     row = compare._merge("thunder+mem", [waiting, oom])
     assert (row["status"], row["allocated_at_oom_bytes"], row["reserved_at_oom_bytes"]) == ("OOM", 75, 80)
     cpu = {"status": "OOM", "estimated_peak_bytes": 70}

@@ -32,11 +32,21 @@ def test_a_linear_is_its_flops_or_its_traffic_whichever_is_longer():
 
 def test_causal_attention_is_half_the_full_matrix():
     q = k = v = torch.randn(1, 4, 256, 32, dtype=torch.bfloat16)
-    flash = _bsym(lambda a, b, c: sdpfa_gradfwd(a, b, c, 0.0, True), q, k, v,
-                  name="sdpafx_grad_forward_scaled_dot_product_efficient_attention")
+    flash = _bsym(
+        lambda a, b, c: sdpfa_gradfwd(a, b, c, 0.0, True),
+        q,
+        k,
+        v,
+        name="sdpafx_grad_forward_scaled_dot_product_efficient_attention",
+    )
     assert op_flops(flash) == (0.5 * 4 * 4 * 256 * 256 * 32, "bf16")
-    efficient = _bsym(lambda a, b, c: sdpea_gradfwd(a, b, c, None, 0.0, False), q, k, v,
-                      name="sdpaex_grad_forward_scaled_dot_product_efficient_attention")
+    efficient = _bsym(
+        lambda a, b, c: sdpea_gradfwd(a, b, c, None, 0.0, False),
+        q,
+        k,
+        v,
+        name="sdpaex_grad_forward_scaled_dot_product_efficient_attention",
+    )
     assert op_flops(efficient) == (4 * 4 * 256 * 256 * 32, "bf16")
     cudnn = _bsym(lambda a, b, c: cudnn_forward(a, b, c, 0.0, True, None), q, k, v, name="cudnn_sdpa_forward")
     assert op_flops(cudnn) == op_flops(flash)

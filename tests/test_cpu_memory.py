@@ -43,8 +43,10 @@ def test_a_bf16_matmul_holds_its_output_and_nothing_the_cpu_model_decides():
         d = c.t() @ a
         memory.mark("transposed")
     assert (c.nbytes, d.nbytes) == (64 * 4096 * 2, 4096 * 128 * 2)
-    assert [m.peak_bytes for m in memory.marks()] == [(64 * 128 + 128 * 4096 + 64 * 4096) * 2,
-                                                      (64 * 128 + 128 * 4096 + 64 * 4096 + 4096 * 128) * 2]
+    assert [m.peak_bytes for m in memory.marks()] == [
+        (64 * 128 + 128 * 4096 + 64 * 4096) * 2,
+        (64 * 128 + 128 * 4096 + 64 * 4096 + 4096 * 128) * 2,
+    ]
 
 
 def test_workspace_is_what_a_matmul_frees_before_it_returns():
@@ -66,12 +68,27 @@ def test_workspace_is_what_a_matmul_frees_before_it_returns():
         event.start_time_ns = time
         return event
 
-    tree = [at(0, Event("aten::mm", [at(1, Event("[memory]", memory=Memory(100, 5))),
-                                     at(2, Event("[memory]", memory=Memory(40, 6))),
-                                     at(3, Event("[memory]", memory=Memory(-100, 5)))])),
-            at(4, Event("aten::add", [at(5, Event("[memory]", memory=Memory(10, 7))),
-                                      at(6, Event("[memory]", memory=Memory(-10, 7)))])),
-            at(7, Event("aten::mm", [at(8, Event("[memory]", memory=Memory(-40, 6)))]))]
+    tree = [
+        at(
+            0,
+            Event(
+                "aten::mm",
+                [
+                    at(1, Event("[memory]", memory=Memory(100, 5))),
+                    at(2, Event("[memory]", memory=Memory(40, 6))),
+                    at(3, Event("[memory]", memory=Memory(-100, 5))),
+                ],
+            ),
+        ),
+        at(
+            4,
+            Event(
+                "aten::add",
+                [at(5, Event("[memory]", memory=Memory(10, 7))), at(6, Event("[memory]", memory=Memory(-10, 7)))],
+            ),
+        ),
+        at(7, Event("aten::mm", [at(8, Event("[memory]", memory=Memory(-40, 6)))])),
+    ]
 
     class Profile:
         class profiler:
@@ -96,8 +113,17 @@ def test_a_free_gloo_did_unseen_neither_hides_a_later_free_nor_counts_twice():
         (7, -5, 3, False, None),  # a tensor of the baseline freed
         (8, 0, 0, False, "c"),
     ]
-    assert running_totals(raw) == [(0, 0, None), (1, 40, None), (2, 0, None), (3, 0, "a"), (4, 30, None),
-                                   (5, 0, "b"), (6, 10, None), (7, 5, None), (8, 0, "c")]
+    assert running_totals(raw) == [
+        (0, 0, None),
+        (1, 40, None),
+        (2, 0, None),
+        (3, 0, "a"),
+        (4, 30, None),
+        (5, 0, "b"),
+        (6, 10, None),
+        (7, 5, None),
+        (8, 0, "c"),
+    ]
 
 
 def test_held_bytes_counts_parameters_gradients_and_optimizer_state_once():

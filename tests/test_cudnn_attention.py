@@ -20,17 +20,26 @@ def _proxies(*shapes, dtype=dtypes.bfloat16, device="cuda:0"):
         return [TensorProxy(shape=s, dtype=dtype, device=devices.Device(device)) for s in shapes]
 
 
-@pytest.mark.parametrize("case, shapes, dtype, mask, dropout, takes", [
-    ("litgpt's causal bf16 attention, head size 80", [(1, 32, 64, 80)] * 3, dtypes.bfloat16, None, 0.0, True),
-    ("float16, head size 128", [(2, 4, 16, 128)] * 3, dtypes.float16, None, 0.0, True),
-    ("float32", [(1, 4, 16, 64)] * 3, dtypes.float32, None, 0.0, False),
-    ("dropout", [(1, 4, 16, 64)] * 3, dtypes.bfloat16, None, 0.1, False),
-    ("a mask tensor", [(1, 4, 16, 64)] * 3, dtypes.bfloat16, "mask", 0.0, False),
-    ("head size 136", [(1, 4, 16, 136)] * 3, dtypes.bfloat16, None, 0.0, False),
-    ("head size 84, not a multiple of 8", [(1, 4, 16, 84)] * 3, dtypes.bfloat16, None, 0.0, False),
-    ("fewer key heads (GQA not expanded)", [(1, 8, 16, 64), (1, 2, 16, 64), (1, 2, 16, 64)], dtypes.bfloat16,
-     None, 0.0, False),
-])
+@pytest.mark.parametrize(
+    "case, shapes, dtype, mask, dropout, takes",
+    [
+        ("litgpt's causal bf16 attention, head size 80", [(1, 32, 64, 80)] * 3, dtypes.bfloat16, None, 0.0, True),
+        ("float16, head size 128", [(2, 4, 16, 128)] * 3, dtypes.float16, None, 0.0, True),
+        ("float32", [(1, 4, 16, 64)] * 3, dtypes.float32, None, 0.0, False),
+        ("dropout", [(1, 4, 16, 64)] * 3, dtypes.bfloat16, None, 0.1, False),
+        ("a mask tensor", [(1, 4, 16, 64)] * 3, dtypes.bfloat16, "mask", 0.0, False),
+        ("head size 136", [(1, 4, 16, 136)] * 3, dtypes.bfloat16, None, 0.0, False),
+        ("head size 84, not a multiple of 8", [(1, 4, 16, 84)] * 3, dtypes.bfloat16, None, 0.0, False),
+        (
+            "fewer key heads (GQA not expanded)",
+            [(1, 8, 16, 64), (1, 2, 16, 64), (1, 2, 16, 64)],
+            dtypes.bfloat16,
+            None,
+            0.0,
+            False,
+        ),
+    ],
+)
 def test_the_rule_takes_what_cudnn_takes(case, shapes, dtype, mask, dropout, takes):
     q, k, v = _proxies(*shapes, dtype=dtype)
     assert cudnn_attention.rule(q, k, v, q if mask else None, dropout) is takes, case
@@ -38,12 +47,14 @@ def test_the_rule_takes_what_cudnn_takes(case, shapes, dtype, mask, dropout, tak
 
 def test_on_the_cpu_it_claims_nothing_and_thunder_runs_as_without_it():
     q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.bfloat16) for _ in range(3))
-    jitted = thunder.jit(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
-                         executors=runtime.executors("fused"))
+    jitted = thunder.jit(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), executors=runtime.executors("fused")
+    )
     out = jitted(q, k, v)
     assert not any("cudnn" in b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols)
-    assert torch.equal(out, thunder.jit(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))(
-        q, k, v))
+    assert torch.equal(
+        out, thunder.jit(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True))(q, k, v)
+    )
 
 
 def test_a_cuda_prediction_saves_and_peaks_as_with_the_flash_kernel(monkeypatch):

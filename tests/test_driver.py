@@ -35,8 +35,9 @@ def _collect(calls):
 
 def test_a_pass_that_changes_nothing_is_recorded_without_an_estimate(pair):
     calls = []
-    out, records = run_passes(pair, [Pass("nothing", lambda p, c: Proposal(p.forward, p.backward))],
-                              on_refused=_collect(calls))
+    out, records = run_passes(
+        pair, [Pass("nothing", lambda p, c: Proposal(p.forward, p.backward))], on_refused=_collect(calls)
+    )
     assert out is pair and calls == []
     (r,) = records
     assert (r.pass_name, r.outcome, r.peak_before, r.peak_after) == ("nothing", Outcome.UNCHANGED, None, None)
@@ -54,12 +55,19 @@ def test_refusals_leave_the_pair_and_the_next_pass_runs(pair):
         return Proposal(forward, p.backward)
 
     calls = []
-    passes = [Pass("confused", confused), Pass("broken", broken), Pass("after broken", confused, after="broken"),
-              Pass("nothing", lambda p, c: Proposal(p.forward, p.backward))]
+    passes = [
+        Pass("confused", confused),
+        Pass("broken", broken),
+        Pass("after broken", confused, after="broken"),
+        Pass("nothing", lambda p, c: Proposal(p.forward, p.backward)),
+    ]
     out, records = run_passes(pair, passes, on_refused=_collect(calls))
     assert out is pair
     assert [(r.pass_name, r.outcome) for r in records] == [
-        ("confused", Outcome.REFUSED), ("broken", Outcome.REFUSED), ("nothing", Outcome.UNCHANGED)]
+        ("confused", Outcome.REFUSED),
+        ("broken", Outcome.REFUSED),
+        ("nothing", Outcome.UNCHANGED),
+    ]
     assert calls[0] == ("confused", "a trace this pass does not know")
     assert calls[1][0] == "broken" and "before anything defines it" in calls[1][1]
 
@@ -73,13 +81,15 @@ def test_a_rewrite_that_raises_the_peak_is_kept_out_and_one_that_lowers_it_is_ap
     better, order = reorder.reorder(forward, lambda t: estimate_traces(t, backward).peak_bytes)
     assert order != "as given"
     calls = []
-    lowered, records = run_passes(pair, [Pass("better", lambda p, c: Proposal(better, p.backward))],
-                                  on_refused=_collect(calls))
+    lowered, records = run_passes(
+        pair, [Pass("better", lambda p, c: Proposal(better, p.backward))], on_refused=_collect(calls)
+    )
     (applied,) = records
     assert applied.outcome is Outcome.APPLIED and lowered.forward is better
     assert (applied.peak_before, applied.peak_after) == (6 * KB256 + 4, 5 * KB256 + 4)
-    back, records = run_passes(lowered, [Pass("worse", lambda p, c: Proposal(forward, p.backward))],
-                               on_refused=_collect(calls))
+    back, records = run_passes(
+        lowered, [Pass("worse", lambda p, c: Proposal(forward, p.backward))], on_refused=_collect(calls)
+    )
     (kept_out,) = records
     assert kept_out.outcome is Outcome.RAISES_PEAK and back is lowered and calls == []
     assert (kept_out.peak_before, kept_out.peak_after) == (5 * KB256 + 4, 6 * KB256 + 4)
@@ -96,11 +106,19 @@ def test_a_rewrite_that_misses_the_cap_by_more_is_kept_out(pair):
     def cap_shortfall(step):
         return 0 if step.peak_bytes == thunders else 512
 
-    records = run_passes(pair, [Pass("better", lambda p, c: Proposal(better, p.backward))],
-                         on_refused=_collect([]), shortfall=cap_shortfall)[1]
+    records = run_passes(
+        pair,
+        [Pass("better", lambda p, c: Proposal(better, p.backward))],
+        on_refused=_collect([]),
+        shortfall=cap_shortfall,
+    )[1]
     (kept_out,) = records
     assert kept_out.outcome is Outcome.MISSES_CAP
     assert (kept_out.peak_before, kept_out.peak_after) == (thunders, 5 * KB256 + 4)
-    applied, records = run_passes(pair, [Pass("better", lambda p, c: Proposal(better, p.backward))],
-                                  on_refused=_collect([]), shortfall=lambda step: 512 - cap_shortfall(step))
+    applied, records = run_passes(
+        pair,
+        [Pass("better", lambda p, c: Proposal(better, p.backward))],
+        on_refused=_collect([]),
+        shortfall=lambda step: 512 - cap_shortfall(step),
+    )
     assert records[0].outcome is Outcome.APPLIED and applied.forward is better

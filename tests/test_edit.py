@@ -39,8 +39,9 @@ def test_dels_are_placed_as_thunders_del_last_used_places_them(plain_traces):
 def test_a_program_given_back_unchanged_is_the_trace_itself(plain_traces):
     forward, backward = plain_traces
     assert rebuilt(forward, without_dels(forward.bound_symbols), "nothing") is forward
-    assert rebuilt(backward, without_dels(backward.bound_symbols), "nothing", clear_mutable_collections=True) \
-        is backward
+    assert (
+        rebuilt(backward, without_dels(backward.bound_symbols), "nothing", clear_mutable_collections=True) is backward
+    )
 
 
 def test_an_edited_program_gets_its_dels_again_and_the_notes_add_up(plain_traces):

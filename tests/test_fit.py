@@ -11,12 +11,15 @@ from thunder_fsdp_mem.predict.fit import Largest, largest, sequence_lengths
 PEAKS = {256: 10, 512: 20, 1024: 40, 2048: 80, 4096: 160, 8192: 320, 16384: 640}
 
 
-@pytest.mark.parametrize("capacity, expected", [
-    (45, Largest(1024, 40, 2048, 80)),
-    (40, Largest(1024, 40, 2048, 80)),
-    (5, Largest(None, None, 256, 10)),
-    (1000, Largest(16384, 640, None, None)),
-])
+@pytest.mark.parametrize(
+    "capacity, expected",
+    [
+        (45, Largest(1024, 40, 2048, 80)),
+        (40, Largest(1024, 40, 2048, 80)),
+        (5, Largest(None, None, 256, 10)),
+        (1000, Largest(16384, 640, None, None)),
+    ],
+)
 def test_largest_is_a_bisection_over_the_candidates(capacity, expected):
     asked = []
 

@@ -21,14 +21,22 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def steps():
-    return {shard: fsdp2.compose_step(BY_NAME["neox"], world_size=WORLD, shard=shard, device_type="cpu",
-                                      executors="default") for shard in ("zero2", "zero3")}
+    return {
+        shard: fsdp2.compose_step(
+            BY_NAME["neox"], world_size=WORLD, shard=shard, device_type="cpu", executors="default"
+        )
+        for shard in ("zero2", "zero3")
+    }
 
 
 def _full_bytes():
     gpt = models.build(BY_NAME["neox"], device="meta").gpt
-    units = {"wte": gpt.transformer.wte, "ln_f": gpt.transformer.ln_f, "lm_head": gpt.lm_head,
-             **{f"block {i}": b for i, b in enumerate(gpt.transformer.h)}}
+    units = {
+        "wte": gpt.transformer.wte,
+        "ln_f": gpt.transformer.ln_f,
+        "lm_head": gpt.lm_head,
+        **{f"block {i}": b for i, b in enumerate(gpt.transformer.h)},
+    }
     return {name: sum(p.numel() * p.element_size() for p in m.parameters()) for name, m in units.items()}
 
 
@@ -77,8 +85,11 @@ def test_each_block_saves_what_the_block_graph_saves(steps):
     # Every block runs the same ThunderFX graph: at the loss each block's saved tensors are alive once.
     step = steps["zero2"]
     forward = step.forward
-    per_block = sum(forward.allocations[i].nbytes for i in set(forward.outputs.values())
-                    if not forward.allocations[i].external and forward.allocations[i].category is Category.SAVED)
+    per_block = sum(
+        forward.allocations[i].nbytes
+        for i in set(forward.outputs.values())
+        if not forward.allocations[i].external and forward.allocations[i].category is Category.SAVED
+    )
     loss = _phase(step, "loss")
     assert per_block > 0
     assert _bytes(loss.outside, Category.SAVED) - _bytes(loss.outside, Category.SAVED, "saved by") == 2 * per_block

@@ -40,8 +40,9 @@ def test_the_default_transforms_gradients_are_eagers_in_float32(family):
         torch.manual_seed(0)
         gpt = models.build(spec, dtype=torch.float32).gpt
         if compiled:  # each block alone, as FSDP2's graph breaks leave it
-            backend = ThunderCompiler(executors=[upstream().cpu_attention, *runtime.executors("fused")],
-                                      transforms=[transform])
+            backend = ThunderCompiler(
+                executors=[upstream().cpu_attention, *runtime.executors("fused")], transforms=[transform]
+            )
             for i, block in enumerate(gpt.transformer.h):
                 gpt.transformer.h[i] = torch.compile(block, backend=backend)
         logits = gpt(idx)

@@ -19,7 +19,8 @@ def results():
 
 def test_every_family_and_strategy_ran_on_both_ranks(results):
     assert {(r["family"], r["shard"], r["rank"]) for r in results} == {
-        (f, s, k) for f in FAMILIES for s in ("zero2", "zero3") for k in (0, 1)}
+        (f, s, k) for f in FAMILIES for s in ("zero2", "zero3") for k in (0, 1)
+    }
 
 
 def test_loss_and_every_gradient_shard_are_bitwise_identical(results):

@@ -20,10 +20,13 @@ def _module_name(path: Path) -> str:
 def _imports(tree: ast.AST, *, top_level: bool) -> set[str]:
     """Names of this package's modules imported at module level (``top_level``) or inside functions."""
     found = set()
-    nodes = tree.body if top_level else [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
-                                                                                        ast.AsyncFunctionDef))]
+    nodes = (
+        tree.body
+        if top_level
+        else [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    )
     for node in nodes:
-        for sub in ([node] if top_level else ast.walk(node)):
+        for sub in [node] if top_level else ast.walk(node):
             if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("thunder_fsdp_mem"):
                 found.add(sub.module)
                 found.update(f"{sub.module}.{a.name}" for a in sub.names)
@@ -54,8 +57,11 @@ def test_no_import_loops():
 
 def test_no_deferred_imports_of_the_package_outside_the_cli():
     modules, _ = _graph()
-    deferred = {name: sorted(_imports(tree, top_level=False)) for name, tree in modules.items()
-                if name not in DEFERRED_ALLOWED and _imports(tree, top_level=False)}
+    deferred = {
+        name: sorted(_imports(tree, top_level=False))
+        for name, tree in modules.items()
+        if name not in DEFERRED_ALLOWED and _imports(tree, top_level=False)
+    }
     assert deferred == {}
 
 
@@ -71,7 +77,15 @@ def test_the_floors_point_down():
         if name.startswith("thunder_fsdp_mem.analysis."):
             assert all(t.startswith("thunder_fsdp_mem.analysis") for t in reaches(name)), name
         if name.startswith("thunder_fsdp_mem.passes."):
-            assert not any(t.startswith(("thunder_fsdp_mem.predict", "thunder_fsdp_mem.training",
-                                         "thunder_fsdp_mem.report", "thunder_fsdp_mem.cli"))
-                           for t in reaches(name)), name
+            assert not any(
+                t.startswith(
+                    (
+                        "thunder_fsdp_mem.predict",
+                        "thunder_fsdp_mem.training",
+                        "thunder_fsdp_mem.report",
+                        "thunder_fsdp_mem.cli",
+                    )
+                )
+                for t in reaches(name)
+            ), name
     assert "thunder_fsdp_mem.cli" not in set().union(*(reaches(n) for n in graph))

@@ -54,21 +54,36 @@ def test_one_process_measures_what_the_report_predicts(tmp_path, capsys):
 def _torchrun_report(*args: str, tmp_path) -> dict:
     out = tmp_path / "m.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "thunder_fsdp_mem.cli", "report", *SMALL, "--measure", *args, "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "thunder_fsdp_mem.cli",
+        "report",
+        *SMALL,
+        "--measure",
+        *args,
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("Peak per rank:") == 1  # rank 0 reports, the other rank only measures
     return json.loads(out.read_text())["measured"]
 
 
-@pytest.mark.parametrize("shard, transform, trainer", [("zero2", True, "fsdp2-thunder+mem"),
-                                                        ("zero3", False, "fsdp2-thunder")])
+@pytest.mark.parametrize(
+    "shard, transform, trainer", [("zero2", True, "fsdp2-thunder+mem"), ("zero3", False, "fsdp2-thunder")]
+)
 def test_fsdp2_through_thunderfx_on_two_ranks(shard, transform, trainer, tmp_path):
     # Compiled for real (no dispatch mode): each block's forward and backward trace is a paired run. Under
     # MemTracker, Dynamo ran this step eagerly, and zero3 seemed 8.9% over the prediction.
-    measured = _torchrun_report("--mode", "fsdp2", "--shard", shard, *(["--transform"] if transform else []),
-                                tmp_path=tmp_path)
+    measured = _torchrun_report(
+        "--mode", "fsdp2", "--shard", shard, *(["--transform"] if transform else []), tmp_path=tmp_path
+    )
     _check(measured, paired=2 * 2, ranks=2, tolerance=1e-3)
     assert measured["trainer"] == trainer
 
@@ -83,10 +98,16 @@ def test_thunder_fsdp_zero3_on_two_ranks(tmp_path):
     "argv, env, message",
     [
         (["--mode", "fsdp2"], {}, "runs one process per rank: torchrun --nproc-per-node 2"),
-        (["--mode", "jit"], {"WORLD_SIZE": "2", "RANK": "0"},
-         "--measure --mode jit runs one process; torchrun started 2"),
-        (["--mode", "fsdp2", "--world-size", "4"], {"WORLD_SIZE": "2", "RANK": "0"},
-         "--world-size 4 but torchrun started 2"),
+        (
+            ["--mode", "jit"],
+            {"WORLD_SIZE": "2", "RANK": "0"},
+            "--measure --mode jit runs one process; torchrun started 2",
+        ),
+        (
+            ["--mode", "fsdp2", "--world-size", "4"],
+            {"WORLD_SIZE": "2", "RANK": "0"},
+            "--world-size 4 but torchrun started 2",
+        ),
         (["--mode", "jit", "--device", "cuda"], {}, "--measure --device cuda needs a GPU per process"),
     ],
 )

@@ -31,8 +31,7 @@ def test_the_spec_of_a_litgpt_config_is_the_config():
 
     config = Config.from_name("pythia-14m", n_layer=3, n_embd=64, intermediate_size=128)
     spec = models.ModelSpec.from_config(config, block_size=128)
-    assert spec.config() == Config.from_name("pythia-14m", n_layer=3, n_embd=64, intermediate_size=128,
-                                              block_size=128)
+    assert spec.config() == Config.from_name("pythia-14m", n_layer=3, n_embd=64, intermediate_size=128, block_size=128)
     with pytest.raises(ValueError, match="not known by name"):
         models.ModelSpec.from_config(Config(name="mine", n_layer=1, n_embd=64, n_head=4), block_size=16)
 
@@ -52,8 +51,9 @@ def test_bad_input_is_refused():
 def test_an_unreachable_budget_warns_with_the_predicted_peak_and_raises_under_strict():
     config = BY_NAME["neox"].config()
     options = dict(tokens=64, world_size=2, device_type="cpu", executors="default")
-    with pytest.warns(UserWarning, match="could not meet the budget of 1.00 KiB: the plan nearest to it has a "
-                                         "predicted peak of"):
+    with pytest.warns(
+        UserWarning, match="could not meet the budget of 1.00 KiB: the plan nearest to it has a predicted peak of"
+    ):
         planned = plan_fsdp2(config, memory_budget=1024, **options)
     assert planned.saved_budget is not None and planned.memory_budget is None
     with pytest.raises(RuntimeError, match="could not meet the budget"):

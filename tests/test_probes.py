@@ -40,8 +40,9 @@ def test_probes_measure_what_analyze_predicts_and_change_nothing():
     timeline = analyze(trace).timeline
     unpacked = max(i for i, b in enumerate(trace.bound_symbols) if b.sym.name == "unpack_trivial")
     checked = [(i, measured) for tag, i, measured in samples if i > unpacked]
-    assert [i for i, _ in checked] == list(range(unpacked + 1, len(trace.bound_symbols) - 1)), \
+    assert [i for i, _ in checked] == list(range(unpacked + 1, len(trace.bound_symbols) - 1)), (
         "a probe after every bound symbol but the return, once each"
+    )
     for i, measured in checked:
         assert measured == timeline[i], (i, trace.bound_symbols[i].sym.name)
 

@@ -132,7 +132,7 @@ def test_a_rewrite_that_reads_a_deleted_tensor_fails_the_check(traces):
     delete_at = next(i for i, b in enumerate(bsyms) if b.sym.id == PrimIDs.DEL)
     broken = thunder.core.trace.from_trace(forward)
     # the del moved above the symbol before it, which reads the deleted tensor
-    broken.bound_symbols = [*bsyms[:delete_at - 1], bsyms[delete_at], bsyms[delete_at - 1], *bsyms[delete_at + 1:]]
+    broken.bound_symbols = [*bsyms[: delete_at - 1], bsyms[delete_at], bsyms[delete_at - 1], *bsyms[delete_at + 1 :]]
     with pytest.raises(checks.CheckError, match="after its del"):
         checks.check_program(broken)
 
@@ -149,8 +149,10 @@ def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_drop
         return next(b for b in trace.bound_symbols if "attention" in b.sym.name or "sdpa" in b.sym.name)
 
     x, w = torch.randn(4, 8), torch.randn(16, 8)
-    linear = next(b for b in thunder.trace()(lambda a, b: ltorch.linear(a, b), x, w).bound_symbols
-                  if b.sym.name == "linear")
+    linear = next(
+        b for b in thunder.trace()(lambda a, b: ltorch.linear(a, b), x, w).bound_symbols if b.sym.name == "linear"
+    )
+
     def cudnn(a, b, c, p, causal):
         return cudnn_forward(a, b, c, p, causal, None)
 
@@ -193,7 +195,8 @@ def test_segments_recompute_each_matmul_from_saved_tensors(chain):
     assert second in segmented.recompute
     for i in (first, second):
         assert i not in segmented.recompute or all(
-            a.name in segmented.saved for a in forward.bound_symbols[i].flat_proxy_args)
+            a.name in segmented.saved for a in forward.bound_symbols[i].flat_proxy_args
+        )
     # Only the expensive ops in `only` may be recomputed: block 2's output is then saved, block 1 recomputed.
     only_first = recompute.plan_saved(forward, price=0.0, only=frozenset({first}))
     assert first in only_first.recompute and second not in only_first.recompute

@@ -11,13 +11,17 @@ from thunder_fsdp_mem.report import pattern_name
     [
         ([f"block {i}.mlp.fc.weight (gathered)" for i in range(32)], "block [0-31].mlp.fc.weight (gathered)"),
         ([f"t_transformer_h_{i}_attn_qkv_weight" for i in (3, 1, 2)], "t_transformer_h_[1-3]_attn_qkv_weight"),
-        ([f"block {i}.norm_{j}.weight" for i in (0, 2, 4, 6, 8) for j in (1, 2)],
-         "block [0,2,4,6,...].norm_[1-2].weight"),
+        (
+            [f"block {i}.norm_{j}.weight" for i in (0, 2, 4, 6, 8) for j in (1, 2)],
+            "block [0,2,4,6,...].norm_[1-2].weight",
+        ),
         (["block 7.attn.proj.weight (shard)"], "block 7.attn.proj.weight (shard)"),
         # a trace's own names carry no layer; names that differ in more than numbers: the first, and how many more
         (["t813", "t802"], "t813"),
-        (["AdamW exp_avg of block 0.mlp.fc.weight", "AdamW exp_avg_sq of block 0.mlp.fc.weight"],
-         "AdamW exp_avg of block 0.mlp.fc.weight and 1 more"),
+        (
+            ["AdamW exp_avg of block 0.mlp.fc.weight", "AdamW exp_avg_sq of block 0.mlp.fc.weight"],
+            "AdamW exp_avg of block 0.mlp.fc.weight and 1 more",
+        ),
     ],
 )
 def test_pattern_name(names, expected):
@@ -44,7 +48,7 @@ def test_no_figure_is_ever_cut(report, width):
     text = render_text(report, width=width)
     lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
     assert max(len(line) for line in lines) <= width
-    table = text[text.index("Largest allocations"):]
+    table = text[text.index("Largest allocations") :]
     header = next(line for line in table.splitlines() if line.startswith("name "))
     for t in report.shown.top:
         assert format_bytes(t.nbytes) in table and format_bytes(t.total_bytes) in table and f"x{t.count}" in table
@@ -94,8 +98,12 @@ def test_the_optimizer_state_is_named_alike_in_every_mode():
     spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
 
     def state(step):
-        return {a.name for phase in step.phases for a in (*phase.outside, *phase.extra)
-                if a.category is Category.OPTIMIZER_STATE and "exp_avg" in a.name}
+        return {
+            a.name
+            for phase in step.phases
+            for a in (*phase.outside, *phase.extra)
+            if a.category is Category.OPTIMIZER_STATE and "exp_avg" in a.name
+        }
 
     jit = state(trace_step(spec, mode="jit", device_type="cpu"))
     fsdp2 = state(compose_step(spec, world_size=1, shard="zero2", device_type="cpu"))

@@ -38,13 +38,35 @@ def _names(trace):
 
 def test_each_reduce_scatter_is_issued_when_its_gradient_is_complete(trace):
     rs, w = "torch_reduce_scatter_prim_impl", "torch_wait_prim_impl"
-    assert _names(trace) == ["matmul", "cos", "sin", "matmul", "true_divide", rs, "true_divide", rs, w, w,
-                             "python_return"]
+    assert _names(trace) == [
+        "matmul",
+        "cos",
+        "sin",
+        "matmul",
+        "true_divide",
+        rs,
+        "true_divide",
+        rs,
+        w,
+        w,
+        "python_return",
+    ]
     new = scatters.schedule(trace, max_inflight=1)
     # By hand: the first division (cheap, read by the reduce-scatter alone) and reduce-scatter right after the
     # first gradient's matmul; with one in flight, the first is waited for just before the second is issued.
-    assert _names(new) == ["matmul", "true_divide", rs, "cos", "sin", "matmul", w, "true_divide", rs, w,
-                           "python_return"]
+    assert _names(new) == [
+        "matmul",
+        "true_divide",
+        rs,
+        "cos",
+        "sin",
+        "matmul",
+        w,
+        "true_divide",
+        rs,
+        w,
+        "python_return",
+    ]
     checks.check_rewrite(trace, new, ordered=False)
     got, want = new.python_callable()(*ARGS), trace.python_callable()(*ARGS)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -26,8 +26,11 @@ def _replay(snapshot: dict) -> tuple[int, int, int]:
     segments = snapshot["segments"]
     events = snapshot["device_traces"][0]
     end = sum(b["size"] for seg in segments for b in seg["blocks"] if b["state"] == "active_allocated")
-    start = end - sum(e["size"] for e in events if e["action"] == "alloc") + sum(
-        e["size"] for e in events if e["action"] == "free_completed")
+    start = (
+        end
+        - sum(e["size"] for e in events if e["action"] == "alloc")
+        + sum(e["size"] for e in events if e["action"] == "free_completed")
+    )
     live = peak = start
     open_blocks: dict[int, int] = {}
     for e in events:
@@ -35,8 +38,13 @@ def _replay(snapshot: dict) -> tuple[int, int, int]:
             assert e["addr"] not in open_blocks, "an address is given out twice"
             open_blocks[e["addr"]] = e["size"]
             live += e["size"]
-            assert any(seg["address"] <= e["addr"] and e["addr"] + e["size"] <= seg["address"] + seg["total_size"]
-                       for seg in segments) or len(segments) > 1  # a real allocator may have freed the segment since
+            assert (
+                any(
+                    seg["address"] <= e["addr"] and e["addr"] + e["size"] <= seg["address"] + seg["total_size"]
+                    for seg in segments
+                )
+                or len(segments) > 1
+            )  # a real allocator may have freed the segment since
         elif e["action"] == "free_requested":
             assert open_blocks.get(e["addr"], e["size"]) == e["size"]
             open_blocks.pop(e["addr"], None)
@@ -52,8 +60,11 @@ def _model_bytes(world_size: int) -> tuple[int, int, int]:
     with torch.device("meta"):
         model = models.build(SPEC, dtype=torch.bfloat16)
     params = list(model.parameters())
-    return (sum(-(-p.numel() // world_size) * p.element_size() for p in params),
-            sum(b.numel() * b.element_size() for b in model.buffers()), len(params))
+    return (
+        sum(-(-p.numel() // world_size) * p.element_size() for p in params),
+        sum(b.numel() * b.element_size() for b in model.buffers()),
+        len(params),
+    )
 
 
 @pytest.fixture
@@ -82,8 +93,7 @@ def test_frames_name_the_op_its_source_line_and_the_phase(step):
     events = predicted_snapshot(estimate)["device_traces"][0]
     allocs = [e for e in events if e["action"] == "alloc"]
     phases = {p.name for p in estimate.phases}
-    assert all(e["frames"][-1]["filename"] == "predicted step" and e["frames"][-1]["name"] in phases
-               for e in allocs)
+    assert all(e["frames"][-1]["filename"] == "predicted step" and e["frames"][-1]["name"] in phases for e in allocs)
     logits_bytes = SPEC.block_size * SPEC.config().padded_vocab_size * 2
     if mode == "fsdp2":  # the head runs eagerly, outside Thunder's traces: named by its phase
         assert any(e["size"] == logits_bytes and e["frames"][-1]["name"] == "forward: lm_head" for e in allocs)
@@ -123,8 +133,10 @@ DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
 def test_a_recorded_cuda_snapshot_renders_beside_the_predicted_one_and_they_agree():
     # stablecode-3b, 8 layers, 8192 tokens, the transform on, one H200 (docs/accuracy.md): the allocator's history
     # of the measured step (report --measure --snapshot) and the prediction's snapshot, read and rendered alike.
-    measured, predicted = (pickle.loads((DATA / f"snapshot-stablecode-8L-8192-jit-mem-{kind}-2026-12-01.pickle")
-                                        .read_bytes()) for kind in ("measured", "predicted"))
+    measured, predicted = (
+        pickle.loads((DATA / f"snapshot-stablecode-8L-8192-jit-mem-{kind}-2026-12-01.pickle").read_bytes())
+        for kind in ("measured", "predicted")
+    )
     peaks = []
     for snapshot in (measured, predicted):
         memory_viz.segsum(snapshot)

@@ -76,8 +76,9 @@ def test_eager_loss_and_optimizer_state_match_memtracker():
     forward_loss_backward(idx, targets)
     optimizer.step()  # the state exists from here on
     optimizer.zero_grad(set_to_none=True)
-    measured = memtracker_peak(lambda *a: forward_loss_backward(*a).detach().requires_grad_(), idx, targets,
-                               tracked=(jitted, optimizer))
+    measured = memtracker_peak(
+        lambda *a: forward_loss_backward(*a).detach().requires_grad_(), idx, targets, tracked=(jitted, optimizer)
+    )
     estimate = estimate_step(jitted, loss="cross_entropy", optimizer=optimizer)
     params = list(jitted.parameters())
     # AdamW: two float32 moments per parameter and a float32 step count per parameter.
@@ -85,10 +86,14 @@ def test_eager_loss_and_optimizer_state_match_memtracker():
     assert abs(estimate.peak_bytes - measured) <= TOLERANCE * measured, (estimate.peak_bytes, measured)
 
 
-@pytest.mark.parametrize("make", [
-    lambda params: torch.optim.AdamW(params, lr=1e-3),
-    lambda params: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
-], ids=["adamw", "adam-amsgrad"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
+        lambda params: torch.optim.Adam(params, lr=1e-3, amsgrad=True),
+    ],
+    ids=["adamw", "adam-amsgrad"],
+)
 def test_adam_state_before_its_first_step_is_the_state_it_creates(make):
     jitted, idx, targets = _jitted_step("llama", torch.bfloat16)
     optimizer = make(jitted.parameters())
@@ -161,8 +166,12 @@ def test_the_optimizer_step_matches_memtracker_on_cpu():
     assert estimate.optimizer_peak_bytes == measured
     # What a memory budget counts from the traces alone (AdamW's state and step anticipated) is the same step.
     forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
-    anticipated = estimate_traces(forward, backward, held=anticipated_adamw(forward, backward),
-                                  optimizer_step=anticipated_adamw_step(forward, backward))
+    anticipated = estimate_traces(
+        forward,
+        backward,
+        held=anticipated_adamw(forward, backward),
+        optimizer_step=anticipated_adamw_step(forward, backward),
+    )
     assert anticipated.optimizer_peak_bytes == measured
 
 
@@ -194,8 +203,11 @@ def test_a_budget_counts_adamws_step_as_estimate_step_does():
     from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
     from thunder_fsdp_mem.analysis.step import parameter_order
 
-    spec = dataclasses.replace(BY_NAME["neox"], block_size=64, overrides=(
-        *BY_NAME["neox"].overrides[:2], ("padded_vocab_size", 8192), *BY_NAME["neox"].overrides[3:]))
+    spec = dataclasses.replace(
+        BY_NAME["neox"],
+        block_size=64,
+        overrides=(*BY_NAME["neox"].overrides[:2], ("padded_vocab_size", 8192), *BY_NAME["neox"].overrides[3:]),
+    )
 
     def step(config):
         model = models.build(spec, dtype=torch.float32).gpt

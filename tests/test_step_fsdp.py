@@ -14,8 +14,9 @@ def results():
 
 def test_every_configuration_ran_on_both_ranks(results):
     keys = {(r["family"], r["dtype"], r["shard"], r["rank"]) for r in results}
-    assert keys == {(f, d, s, k) for f, d in (("neox", "bf16"), ("llama", "fp32")) for s in ("zero2", "zero3")
-                    for k in (0, 1)}
+    assert keys == {
+        (f, d, s, k) for f, d in (("neox", "bf16"), ("llama", "fp32")) for s in ("zero2", "zero3") for k in (0, 1)
+    }
 
 
 def test_estimate_matches_memtracker_on_every_rank(results):

@@ -28,8 +28,11 @@ def _run(spec, dtype, transforms):
     return loss.detach(), grads, saved, jitted
 
 
-@pytest.mark.parametrize("family, dtype", [("neox", torch.bfloat16), ("llama", torch.float32),
-                                           ("gemma", torch.bfloat16)], ids=["neox-bf16", "llama-fp32", "gemma-bf16"])
+@pytest.mark.parametrize(
+    "family, dtype",
+    [("neox", torch.bfloat16), ("llama", torch.float32), ("gemma", torch.bfloat16)],
+    ids=["neox-bf16", "llama-fp32", "gemma-bf16"],
+)
 def test_bitwise_identical_and_saves_less_than_eager(family, dtype):
     spec = dataclasses.replace(BY_NAME[family], n_layers=1)  # one block has every kind of op; it compiles faster
     loss, grads, saved, _ = _run(spec, dtype, [])
@@ -79,8 +82,16 @@ def plain_traces():
 
 def test_every_pass_off_leaves_the_traces_alone(plain_traces):
     forward, backward = plain_traces[0][-1], plain_traces[1]
-    transform = FSDPMemoryTransform(MemoryConfig(fold_casts=False, rematerialize=False, fusion_rematerialize=False,
-                                                 reorder=False, gathers=False, scatters=False))
+    transform = FSDPMemoryTransform(
+        MemoryConfig(
+            fold_casts=False,
+            rematerialize=False,
+            fusion_rematerialize=False,
+            reorder=False,
+            gathers=False,
+            scatters=False,
+        )
+    )
     assert transform.transform_trace_post_optimization(forward) is forward
     assert transform.transform_trace_post_optimization(backward) is backward
 
@@ -165,20 +176,38 @@ def _family(name: str, bias: bool, parallel_residual: bool) -> models.ModelSpec:
     """Issue 20's configuration (stablecode-3b's NeoX block, small) and a Llama block, with bias and the parallel
     residual set as asked."""
     if name == "neox":
-        overrides = (("n_embd", 128), ("n_head", 4), ("intermediate_size", 512), ("padded_vocab_size", 256),
-                     ("vocab_size", 256))
+        overrides = (
+            ("n_embd", 128),
+            ("n_head", 4),
+            ("intermediate_size", 512),
+            ("padded_vocab_size", 256),
+            ("vocab_size", 256),
+        )
         base = "stablecode-completion-alpha-3b"
     else:
-        overrides = (("n_embd", 128), ("n_head", 8), ("n_query_groups", 2), ("intermediate_size", 384),
-                     ("padded_vocab_size", 256), ("vocab_size", 256))
+        overrides = (
+            ("n_embd", 128),
+            ("n_head", 8),
+            ("n_query_groups", 2),
+            ("intermediate_size", 384),
+            ("padded_vocab_size", 256),
+            ("vocab_size", 256),
+        )
         base = "Llama-3-8B"
-    return models.ModelSpec(name=base, n_layers=1, block_size=32,
-                            overrides=(*overrides, ("bias", bias), ("parallel_residual", parallel_residual)))
+    return models.ModelSpec(
+        name=base,
+        n_layers=1,
+        block_size=32,
+        overrides=(*overrides, ("bias", bias), ("parallel_residual", parallel_residual)),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("bias, parallel_residual", [(True, True), (True, False), (False, True), (False, False)],
-                         ids=["bias-parallel", "bias", "parallel", "neither"])
+@pytest.mark.parametrize(
+    "bias, parallel_residual",
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["bias-parallel", "bias", "parallel", "neither"],
+)
 @pytest.mark.parametrize("family", ["neox", "llama"])
 def test_rematerialization_applies_to_every_block_shape(family, bias, parallel_residual, dtype):
     # Under a float32 parallel residual with biases, Thunder's backward computes the attention's and the MLP's

@@ -12,8 +12,9 @@ def results():
 
 
 def test_both_modes_ran_on_both_ranks(results):
-    assert {(r["mode"], r["rank"]) for r in results} == {(m, k) for m in ("thunder-fsdp", "fsdp2-thunder")
-                                                         for k in (0, 1)}
+    assert {(r["mode"], r["rank"]) for r in results} == {
+        (m, k) for m in ("thunder-fsdp", "fsdp2-thunder") for k in (0, 1)
+    }
 
 
 def test_loss_and_every_gradient_shard_are_bitwise_identical(results):

@@ -11,10 +11,18 @@ def test_format_bytes_in_binary_units():
     assert format_bytes(-512) == "-512 B"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("60GB", 60 * 10**9), ("80 gb", 80 * 10**9), ("1.5GiB", 3 * 2**29), ("512", 512), ("1e9", 10**9),
-    ("4KiB", 4096), ("2TB", 2 * 10**12),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("60GB", 60 * 10**9),
+        ("80 gb", 80 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("512", 512),
+        ("1e9", 10**9),
+        ("4KiB", 4096),
+        ("2TB", 2 * 10**12),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 

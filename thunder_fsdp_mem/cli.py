@@ -36,56 +36,103 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser(
-        "report", help="memory report of one training step of a litgpt model, predicted on the meta device")
+        "report", help="memory report of one training step of a litgpt model, predicted on the meta device"
+    )
     report.add_argument("--model", default=DEFAULT_MODEL, help=f"litgpt configuration name (default {DEFAULT_MODEL})")
     report.add_argument("--n-layers", type=int, default=None, help="number of blocks (default: the model's)")
     report.add_argument("--block-size", type=int, default=512, help="sequence length (default 512)")
     report.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step and rank (default 1)")
     report.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
-    report.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
-                        help="fsdp2: FSDP2 (fully_shard) through ThunderFX; thunder-fsdp: Thunder's fsdp; jit: "
-                             f"thunder.jit on one device (default {DEFAULT_MODE})")
-    report.add_argument("--shard", choices=SHARDS, default=None,
-                        help="FSDP sharding: zero2, or zero3 (FSDP2's reshard_after_forward) (default zero2)")
-    report.add_argument("--world-size", type=int, default=None,
-                        help="ranks, emulated by a fake process group or composed per rank (default 2; jit: 1)")
-    report.add_argument("--device", choices=DEVICE_TYPES, default="cuda",
-                        help="the device whose run is predicted (default cuda: Thunder's CUDA attention kernels)")
-    report.add_argument("--executors", choices=EXECUTOR_CHOICES, default="default+cat",
-                        help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
-                             "benchmarks/compare.py (default default+cat)")
-    report.add_argument("--memory-cap", metavar="SIZE", default=None,
-                        help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
-                             "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
-                             "caching allocator over the step and says whether it runs out under it; with "
-                             "--memory-budget, the plan must run under it too (--device cuda)")
-    report.add_argument("--memory-budget", metavar="SIZE", default=None,
-                        help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
-                             "recomputes matmuls and attention in backward where it must; shows what, and the "
-                             "predicted added time (implies --transform)")
-    report.add_argument("--fit", metavar="SIZE", default=None,
-                        help="instead of one step, the largest sequence length (a power of two, at "
-                             "--micro-batch-size) and the largest micro-batch (at --block-size) whose predicted peak "
-                             "fits SIZE per rank (80GB, 141GiB), without the transform and with it at that budget")
-    report.add_argument("--transform", action=argparse.BooleanOptionalAction, default=False,
-                        help="also plan the step with FSDPMemoryTransform and show both (default: without only)")
-    report.add_argument("--fusion-rematerialize", action=argparse.BooleanOptionalAction, default=None,
-                        help="MemoryConfig.fusion_rematerialize, on by default: backward fusions recompute what "
-                             "Thunder's rematerialization means them to (results Thunder's rematerialized ones); "
-                             "--no-fusion-rematerialize plans with it off (results bit for bit the untransformed "
-                             "run's). Either implies --transform")
+    report.add_argument(
+        "--mode",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="fsdp2: FSDP2 (fully_shard) through ThunderFX; thunder-fsdp: Thunder's fsdp; jit: "
+        f"thunder.jit on one device (default {DEFAULT_MODE})",
+    )
+    report.add_argument(
+        "--shard",
+        choices=SHARDS,
+        default=None,
+        help="FSDP sharding: zero2, or zero3 (FSDP2's reshard_after_forward) (default zero2)",
+    )
+    report.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks, emulated by a fake process group or composed per rank (default 2; jit: 1)",
+    )
+    report.add_argument(
+        "--device",
+        choices=DEVICE_TYPES,
+        default="cuda",
+        help="the device whose run is predicted (default cuda: Thunder's CUDA attention kernels)",
+    )
+    report.add_argument(
+        "--executors",
+        choices=EXECUTOR_CHOICES,
+        default="default+cat",
+        help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
+        "benchmarks/compare.py (default default+cat)",
+    )
+    report.add_argument(
+        "--memory-cap",
+        metavar="SIZE",
+        default=None,
+        help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
+        "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
+        "caching allocator over the step and says whether it runs out under it; with "
+        "--memory-budget, the plan must run under it too (--device cuda)",
+    )
+    report.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        default=None,
+        help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
+        "recomputes matmuls and attention in backward where it must; shows what, and the "
+        "predicted added time (implies --transform)",
+    )
+    report.add_argument(
+        "--fit",
+        metavar="SIZE",
+        default=None,
+        help="instead of one step, the largest sequence length (a power of two, at "
+        "--micro-batch-size) and the largest micro-batch (at --block-size) whose predicted peak "
+        "fits SIZE per rank (80GB, 141GiB), without the transform and with it at that budget",
+    )
+    report.add_argument(
+        "--transform",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also plan the step with FSDPMemoryTransform and show both (default: without only)",
+    )
+    report.add_argument(
+        "--fusion-rematerialize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="MemoryConfig.fusion_rematerialize, on by default: backward fusions recompute what "
+        "Thunder's rematerialization means them to (results Thunder's rematerialized ones); "
+        "--no-fusion-rematerialize plans with it off (results bit for bit the untransformed "
+        "run's). Either implies --transform",
+    )
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
-    report.add_argument("--measure", action="store_true",
-                        help="also run one step for real, a probe after every symbol, and show it beside the "
-                             "prediction (under torchrun for fsdp2 and thunder-fsdp: torchrun --nproc-per-node W -m "
-                             "thunder_fsdp_mem.cli report --measure ...)")
+    report.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one step for real, a probe after every symbol, and show it beside the "
+        "prediction (under torchrun for fsdp2 and thunder-fsdp: torchrun --nproc-per-node W -m "
+        "thunder_fsdp_mem.cli report --measure ...)",
+    )
     report.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
-    report.add_argument("--snapshot", metavar="PATH",
-                        help="also write the predicted step to PATH as a PyTorch memory snapshot (the pickle of "
-                             "torch.cuda.memory._dump_snapshot: open it on pytorch.org/memory_viz); beside it, "
-                             "with --transform, the plan without the transform (NAME-without-transform.pickle) "
-                             "and, with --measure on CUDA, the recorded step (NAME-measured.pickle)")
+    report.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        help="also write the predicted step to PATH as a PyTorch memory snapshot (the pickle of "
+        "torch.cuda.memory._dump_snapshot: open it on pytorch.org/memory_viz); beside it, "
+        "with --transform, the plan without the transform (NAME-without-transform.pickle) "
+        "and, with --measure on CUDA, the recorded step (NAME-measured.pickle)",
+    )
     report.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")
     return parser
 
@@ -120,18 +167,28 @@ def _validate(args) -> None:
         args.memory_budget = _size(args.memory_budget, "--memory-budget")
         args.transform = True
         if args.measure and args.mode == "fsdp2":
-            raise _UsageError("--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
-                              "block's share of the budget comes from the prediction: benchmarks/compare.py "
-                              "--modes fsdp2-thunder+mem@budget=SIZE measures it")
+            raise _UsageError(
+                "--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
+                "block's share of the budget comes from the prediction: benchmarks/compare.py "
+                "--modes fsdp2-thunder+mem@budget=SIZE measures it"
+            )
     if args.memory_cap is not None:
         args.memory_cap = _size(args.memory_cap, "--memory-cap")
         if args.device != "cuda":
             raise _UsageError("--memory-cap limits CUDA's caching allocator: it needs --device cuda")
     if args.fit is not None:
         args.fit = _size(args.fit, "--fit")
-        clashing = [o for o, on in (("--measure", args.measure), ("--memory-budget", args.memory_budget is not None),
-                                    ("--snapshot", args.snapshot), ("--plot", args.plot),
-                                    ("--memory-cap", args.memory_cap is not None)) if on]
+        clashing = [
+            o
+            for o, on in (
+                ("--measure", args.measure),
+                ("--memory-budget", args.memory_budget is not None),
+                ("--snapshot", args.snapshot),
+                ("--plot", args.plot),
+                ("--memory-cap", args.memory_cap is not None),
+            )
+            if on
+        ]
         if clashing:
             raise _UsageError(f"--fit searches many steps and shows no single one: drop {', '.join(clashing)}")
     if args.measure:
@@ -141,7 +198,8 @@ def _validate(args) -> None:
             raise _UsageError("--shard applies to --mode fsdp2 and thunder-fsdp, not to --mode jit (one device)")
         if args.world_size not in (None, 1):
             raise _UsageError(
-                f"--mode jit runs on one device; --world-size {args.world_size} needs --mode fsdp2 or thunder-fsdp")
+                f"--mode jit runs on one device; --world-size {args.world_size} needs --mode fsdp2 or thunder-fsdp"
+            )
         args.world_size = 1
     else:
         args.shard = args.shard or "zero2"
@@ -170,8 +228,9 @@ def _validate(args) -> None:
 
         refused = fsdp2.unsupported(models.ModelSpec(name=args.model, block_size=args.block_size).config())
         if refused:
-            raise _UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode "
-                              "thunder-fsdp")
+            raise _UsageError(
+                f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode thunder-fsdp"
+            )
 
 
 def _size(text: str, option: str) -> int:
@@ -191,8 +250,10 @@ def _validate_measure(args) -> None:
     """``--measure`` runs where the step can run: one process per rank under torchrun, a GPU for cuda."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if args.mode != "jit" and "RANK" not in os.environ:
-        raise _UsageError(f"--measure --mode {args.mode} runs one process per rank: torchrun --nproc-per-node "
-                          f"{args.world_size or 2} -m thunder_fsdp_mem.cli report --measure ...")
+        raise _UsageError(
+            f"--measure --mode {args.mode} runs one process per rank: torchrun --nproc-per-node "
+            f"{args.world_size or 2} -m thunder_fsdp_mem.cli report --measure ..."
+        )
     if args.mode == "jit" and ranks != 1:
         raise _UsageError(f"--measure --mode jit runs one process; torchrun started {ranks}")
     if args.world_size is not None and args.world_size != ranks:
@@ -202,8 +263,10 @@ def _validate_measure(args) -> None:
     import torch
 
     if args.device == "cuda" and torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
-        raise _UsageError(f"--measure --device cuda needs a GPU per process, {torch.cuda.device_count()} here; "
-                          "--device cpu measures on CPU (gloo)")
+        raise _UsageError(
+            f"--measure --device cuda needs a GPU per process, {torch.cuda.device_count()} here; "
+            "--device cpu measures on CPU (gloo)"
+        )
 
 
 def _measure(args, spec, memory):
@@ -215,9 +278,17 @@ def _measure(args, spec, memory):
 
     rank = runtime.init_distributed(args.device)
     try:
-        measured = measure_step(spec, rank, mode=args.mode, shard=args.shard, executors=args.executors,
-                                dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
-                                memory=memory, snapshot=bool(args.snapshot))
+        measured = measure_step(
+            spec,
+            rank,
+            mode=args.mode,
+            shard=args.shard,
+            executors=args.executors,
+            dtype=models.DTYPES[args.dtype],
+            micro_batch_size=args.micro_batch_size,
+            memory=memory,
+            snapshot=bool(args.snapshot),
+        )
         return gather(measured)
     finally:
         if dist.is_initialized():
@@ -235,8 +306,16 @@ def _report(args) -> int:
     if args.fit is not None:
         return _fit(args, spec, n_layers)
     cap = args.memory_cap if args.memory_budget is not None else None
-    plans = [None, MemoryConfig(memory_budget=args.memory_budget, memory_cap=cap,
-                                fusion_rematerialize=args.fusion_rematerialize)] if args.transform else [None]
+    plans = (
+        [
+            None,
+            MemoryConfig(
+                memory_budget=args.memory_budget, memory_cap=cap, fusion_rematerialize=args.fusion_rematerialize
+            ),
+        ]
+        if args.transform
+        else [None]
+    )
     steps = []
     transform = None
     measured = None
@@ -249,17 +328,26 @@ def _report(args) -> int:
         except Exception as e:  # noqa: BLE001 - the run failed (out of memory, a bug): one line unless -v
             if args.verbose:
                 raise
-            print(f"thunder-fsdp-mem: the measured step failed: {type(e).__name__}: {_first_line(e)} (run with -v "
-                  f"for the traceback)", file=sys.stderr)
+            print(
+                f"thunder-fsdp-mem: the measured step failed: {type(e).__name__}: {_first_line(e)} (run with -v "
+                f"for the traceback)",
+                file=sys.stderr,
+            )
             return 1
         if measured is None:  # not rank 0: rank 0 reports
             return 0
     try:
         what = "one block" if args.mode == "fsdp2" else f"{n_layers} layer{'s' if n_layers != 1 else ''}"
         with _progress(len(plans), f"tracing {what} on the meta device") as advance:
-            options = dict(mode=args.mode, shard=args.shard, world_size=args.world_size, device_type=args.device,
-                           dtype=models.DTYPES[args.dtype], micro_batch_size=args.micro_batch_size,
-                           executors=args.executors)
+            options = dict(
+                mode=args.mode,
+                shard=args.shard,
+                world_size=args.world_size,
+                device_type=args.device,
+                dtype=models.DTYPES[args.dtype],
+                micro_batch_size=args.micro_batch_size,
+                executors=args.executors,
+            )
             for config in plans:
                 if config is None:
                     steps.append(trace_step(spec, **options))
@@ -272,17 +360,27 @@ def _report(args) -> int:
             raise
         return _failed_tracing(e, args, spec)
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
-    title = (f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
-             f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device")
+    title = (
+        f"{args.model}, {n_layers} layers, {args.block_size} tokens x {args.micro_batch_size}, {args.dtype}, "
+        f"{args.mode} ({where}), predicted for {args.device} from a trace on the meta device"
+    )
     comparison = None
     if measured is not None:
         from thunder_fsdp_mem.predict.comparison import compare
 
         comparison = compare(steps[-1], measured)
-    report = build_report(steps[-1], title=title, top=args.top, baseline=steps[0] if args.transform else None,
-                          measured=comparison, rewrites=tuple(transform.rewrites) if transform else (),
-                          budget=args.memory_budget, settings=_settings(args, n_layers),
-                          caching=args.device == "cuda", memory_cap=args.memory_cap)
+    report = build_report(
+        steps[-1],
+        title=title,
+        top=args.top,
+        baseline=steps[0] if args.transform else None,
+        measured=comparison,
+        rewrites=tuple(transform.rewrites) if transform else (),
+        budget=args.memory_budget,
+        settings=_settings(args, n_layers),
+        caching=args.device == "cuda",
+        memory_cap=args.memory_cap,
+    )
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
     try:
@@ -308,12 +406,20 @@ def _fit(args, spec, n_layers: int) -> int:
     from thunder_fsdp_mem.training import models
 
     longest = max(name_to_config[args.model].get("block_size", args.block_size), args.block_size)
-    options = dict(mode=args.mode, shard=args.shard, world_size=args.world_size, device_type=args.device,
-                   dtype=models.DTYPES[args.dtype], executors=args.executors)
+    options = dict(
+        mode=args.mode,
+        shard=args.shard,
+        world_size=args.world_size,
+        device_type=args.device,
+        dtype=models.DTYPES[args.dtype],
+        executors=args.executors,
+    )
     fits = []
     try:
-        for label, config in (("without transform", None),
-                              ("with transform", MemoryConfig(fusion_rematerialize=args.fusion_rematerialize))):
+        for label, config in (
+            ("without transform", None),
+            ("with transform", MemoryConfig(fusion_rematerialize=args.fusion_rematerialize)),
+        ):
             traced = [0]
 
             def on_trace(label=label, traced=traced) -> None:
@@ -322,15 +428,29 @@ def _fit(args, spec, n_layers: int) -> int:
 
             with warnings.catch_warnings():  # a candidate over the budget is what the search looks for
                 warnings.simplefilter("ignore", UserWarning)
-                fits.append((label, fit_step(spec, args.fit, config=config, longest=longest,
-                                             micro_batch_size=args.micro_batch_size, on_trace=on_trace, **options)))
+                fits.append(
+                    (
+                        label,
+                        fit_step(
+                            spec,
+                            args.fit,
+                            config=config,
+                            longest=longest,
+                            micro_batch_size=args.micro_batch_size,
+                            on_trace=on_trace,
+                            **options,
+                        ),
+                    )
+                )
     except Exception as e:  # noqa: BLE001 - a model Thunder cannot trace, or a bug: one line unless -v
         if args.verbose:
             raise
         return _failed_tracing(e, args, spec)
     where = "one device" if args.mode == "jit" else f"{args.world_size} ranks, {args.shard}"
-    title = (f"{args.model}, {n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {args.mode} ({where}), "
-             f"{args.executors} executors, predicted for {args.device}")
+    title = (
+        f"{args.model}, {n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {args.mode} ({where}), "
+        f"{args.executors} executors, predicted for {args.device}"
+    )
     print(render_fit(fits, title=title, block_size=args.block_size, micro_batch_size=args.micro_batch_size))
     if args.json:
         try:
@@ -343,11 +463,23 @@ def _fit(args, spec, n_layers: int) -> int:
 
 def _settings(args, n_layers: int) -> dict[str, object]:
     """What the step was made of, as the report's JSON carries it."""
-    return {"model": args.model, "n_layers": n_layers, "block_size": args.block_size,
-            "micro_batch_size": args.micro_batch_size, "dtype": args.dtype, "mode": args.mode, "shard": args.shard,
-            "world_size": args.world_size, "device": args.device, "executors": args.executors,
-            "transform": args.transform, "memory_budget_bytes": args.memory_budget, "measured": args.measure,
-            "fit_bytes": args.fit, "memory_cap_bytes": args.memory_cap}
+    return {
+        "model": args.model,
+        "n_layers": n_layers,
+        "block_size": args.block_size,
+        "micro_batch_size": args.micro_batch_size,
+        "dtype": args.dtype,
+        "mode": args.mode,
+        "shard": args.shard,
+        "world_size": args.world_size,
+        "device": args.device,
+        "executors": args.executors,
+        "transform": args.transform,
+        "memory_budget_bytes": args.memory_budget,
+        "measured": args.measure,
+        "fit_bytes": args.fit,
+        "memory_cap_bytes": args.memory_cap,
+    }
 
 
 def _write_snapshots(path: str, steps, measured) -> None:
@@ -357,7 +489,7 @@ def _write_snapshots(path: str, steps, measured) -> None:
 
     from thunder_fsdp_mem.snapshot import predicted_snapshot
 
-    stem = path[:-len(".pickle")] if path.endswith(".pickle") else path
+    stem = path[: -len(".pickle")] if path.endswith(".pickle") else path
     written = {path: predicted_snapshot(steps[-1])}
     if len(steps) > 1:
         written[f"{stem}-without-transform.pickle"] = predicted_snapshot(steps[0])
@@ -382,13 +514,17 @@ def _tracing_failure(e: Exception, args, spec) -> str:
     error = f"{type(e).__name__}: {_first_line(e)}"
     moe = "MoE" in getattr(spec.config(), "mlp_class_name", "")
     if "data-independent" in str(e) or "data-dependent" in str(e):
-        return (f"{args.model} cannot be traced on the meta device: an op's output shape depends on the data"
-                f"{' (the experts routing of its mixture of experts)' if moe else ''}; {error}")
+        return (
+            f"{args.model} cannot be traced on the meta device: an op's output shape depends on the data"
+            f"{' (the experts routing of its mixture of experts)' if moe else ''}; {error}"
+        )
     if _raised_in_thunder(e):
         if moe:
-            hint = ("FSDP2 through ThunderFX splits the graph where Thunder cannot go and runs it (benchmarks/"
-                    "compare.py --modes fsdp2-thunder), but its experts' routing cannot be traced on the meta "
-                    "device, so the report cannot predict it")
+            hint = (
+                "FSDP2 through ThunderFX splits the graph where Thunder cannot go and runs it (benchmarks/"
+                "compare.py --modes fsdp2-thunder), but its experts' routing cannot be traced on the meta "
+                "device, so the report cannot predict it"
+            )
         elif args.mode != "fsdp2":
             hint = "--mode fsdp2 (FSDP2 through ThunderFX) splits the graph where Thunder cannot go"
         else:
@@ -434,8 +570,13 @@ def _progress(total: int, what: str, *, shown: bool = True):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
 
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(what, total=total)

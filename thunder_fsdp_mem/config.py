@@ -81,30 +81,48 @@ class MemoryConfig:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fold_casts", "rematerialize", "fusion_rematerialize", "reorder", "gathers", "scatters",
-                     "strict"):
+        for name in ("fold_casts", "rematerialize", "fusion_rematerialize", "reorder", "gathers", "scatters", "strict"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
         w = self.recompute_weight
         _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")
         for name in ("max_inflight_allgathers", "max_inflight_reduce_scatters"):
             n = getattr(self, name)
             _check(name, n, isinstance(n, int) and not isinstance(n, bool) and n >= 1, "an int >= 1")
-        _check("regather", self.regather, self.regather is None or isinstance(self.regather, bool),
-               "True, False or None (as the sharding strategy says)")
+        _check(
+            "regather",
+            self.regather,
+            self.regather is None or isinstance(self.regather, bool),
+            "True, False or None (as the sharding strategy says)",
+        )
         for name, least in (("memory_budget", 1), ("memory_cap", 1), ("saved_budget", 0)):
             n = getattr(self, name)
-            _check(name, n, n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= least),
-                   f"None or an int >= {least} (bytes)")
-        _check("budget_loss", self.budget_loss, self.budget_loss in (None, *BUDGET_LOSSES),
-               f"None or one of {', '.join(BUDGET_LOSSES)}")
-        _check("budget_optimizer", self.budget_optimizer, self.budget_optimizer in (None, *BUDGET_OPTIMIZERS),
-               f"None or one of {', '.join(BUDGET_OPTIMIZERS)}")
+            _check(
+                name,
+                n,
+                n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= least),
+                f"None or an int >= {least} (bytes)",
+            )
+        _check(
+            "budget_loss",
+            self.budget_loss,
+            self.budget_loss in (None, *BUDGET_LOSSES),
+            f"None or one of {', '.join(BUDGET_LOSSES)}",
+        )
+        _check(
+            "budget_optimizer",
+            self.budget_optimizer,
+            self.budget_optimizer in (None, *BUDGET_OPTIMIZERS),
+            f"None or one of {', '.join(BUDGET_OPTIMIZERS)}",
+        )
         if self.memory_cap is not None and self.memory_budget is None:
-            raise ValueError("MemoryConfig.memory_cap is what memory_budget's plan must also run under: it needs "
-                             "memory_budget (the cap itself, if no lower one is wanted)")
+            raise ValueError(
+                "MemoryConfig.memory_cap is what memory_budget's plan must also run under: it needs "
+                "memory_budget (the cap itself, if no lower one is wanted)"
+            )
         if self.budgeted and not self.rematerialize:
-            raise ValueError("MemoryConfig.memory_budget and saved_budget are met by rematerialization: they need "
-                             "rematerialize=True")
+            raise ValueError(
+                "MemoryConfig.memory_budget and saved_budget are met by rematerialization: they need rematerialize=True"
+            )
 
     @property
     def budgeted(self) -> bool:

@@ -80,10 +80,19 @@ class Report:
         return self.plans[-1]
 
 
-def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepMemory | None = None,
-                 measured: Comparison | None = None, rewrites: tuple[Rewrite, ...] = (),
-                 budget: int | None = None, settings: dict[str, object] | None = None, caching: bool = False,
-                 memory_cap: int | None = None) -> Report:
+def build_report(
+    step: StepMemory,
+    *,
+    title: str,
+    top: int = 10,
+    baseline: StepMemory | None = None,
+    measured: Comparison | None = None,
+    rewrites: tuple[Rewrite, ...] = (),
+    budget: int | None = None,
+    settings: dict[str, object] | None = None,
+    caching: bool = False,
+    memory_cap: int | None = None,
+) -> Report:
     """``step``: the plan the report lists; ``baseline``: the same step without the transform, shown beside;
     ``measured``: ``step`` beside a real run of it; ``rewrites``: what the transform did to make ``step``;
     ``budget``: the per-rank peak it was asked to fit; ``settings``: what the step was made of, by name;
@@ -92,17 +101,33 @@ def build_report(step: StepMemory, *, title: str, top: int = 10, baseline: StepM
     if memory_cap is not None and not caching:
         raise ValueError("memory_cap needs caching=True: a cap limits what the CUDA caching allocator reserves")
     plans = [] if baseline is None else [_plan("without transform", baseline, top, caching, memory_cap)]
-    label = "estimate" if baseline is None else ("with transform" if budget is None else
-                                                  f"with transform, budget {format_bytes(budget)}")
+    label = (
+        "estimate"
+        if baseline is None
+        else ("with transform" if budget is None else f"with transform, budget {format_bytes(budget)}")
+    )
     plans.append(_plan(label, step, top, caching, memory_cap))
-    return Report(title=title, plans=tuple(plans), measured=measured, rewrites=tuple(rewrites), budget=budget,
-                  advice=advice(step), settings=tuple((settings or {}).items()), versions=versions(),
-                  memory_cap=memory_cap)
+    return Report(
+        title=title,
+        plans=tuple(plans),
+        measured=measured,
+        rewrites=tuple(rewrites),
+        budget=budget,
+        advice=advice(step),
+        settings=tuple((settings or {}).items()),
+        versions=versions(),
+        memory_cap=memory_cap,
+    )
 
 
 # distribution -> its module: the module's own ``__version__`` where it is imported (torch's names its CUDA build)
-VERSIONED = {"thunder-fsdp-mem": "thunder_fsdp_mem", "lightning-thunder": "thunder", "torch": "torch",
-             "litgpt": "litgpt", "nvfuser": "nvfuser"}
+VERSIONED = {
+    "thunder-fsdp-mem": "thunder_fsdp_mem",
+    "lightning-thunder": "thunder",
+    "torch": "torch",
+    "litgpt": "litgpt",
+    "nvfuser": "nvfuser",
+}
 
 
 def versions() -> tuple[tuple[str, str], ...]:
@@ -136,31 +161,47 @@ def advice(step: StepMemory) -> tuple[Advice, ...]:
     loss = _peak_held_by(step, Stage.LOSS)
     if loss is not None:
         held, saving = loss
-        out.append(Advice(
-            f"The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' gradient "
-            f"hold {format_bytes(held)}. A chunked cross-entropy (litgpt's chunked_cross_entropy) holds a chunk of "
-            f"each at a time: the peak would fall by up to {format_bytes(saving)}, to "
-            f"{format_bytes(step.peak_bytes - saving)}.", saving))
+        out.append(
+            Advice(
+                "The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' "
+                f"gradient hold {format_bytes(held)}. A chunked cross-entropy (litgpt's chunked_cross_entropy) holds "
+                f"a chunk of each at a time: the peak would fall by up to {format_bytes(saving)}, to "
+                f"{format_bytes(step.peak_bytes - saving)}.",
+                saving,
+            )
+        )
     optimizer = _peak_held_by(step, Stage.OPTIMIZER)
     if optimizer is not None:
         held, saving = optimizer
-        out.append(Advice(
-            f"The peak is in the optimizer's step ({step.peak_symbol}): its temporaries hold {format_bytes(held)}. "
-            f"AdamW(..., fused=True) updates in place: the peak would fall by up to {format_bytes(saving)}, to "
-            f"{format_bytes(step.peak_bytes - saving)}.", saving))
+        out.append(
+            Advice(
+                f"The peak is in the optimizer's step ({step.peak_symbol}): its temporaries hold {format_bytes(held)}. "
+                f"AdamW(..., fused=True) updates in place: the peak would fall by up to {format_bytes(saving)}, to "
+                f"{format_bytes(step.peak_bytes - saving)}.",
+                saving,
+            )
+        )
     at_peak: dict[Category, int] = {}
     for a in step.live_at_peak:
         at_peak[a.category] = at_peak.get(a.category, 0) + a.nbytes
     saved = at_peak.get(Category.SAVED, 0)
     if saved >= ADVICE_SHARE * step.peak_bytes:
-        out.append(Advice(
-            f"Saved activations hold {format_bytes(saved)} at the peak: --memory-budget trades them for recomputation "
-            "in backward (the report shows what it would recompute and the time that adds).", saved))
+        out.append(
+            Advice(
+                f"Saved activations hold {format_bytes(saved)} at the peak: --memory-budget trades them for "
+                "recomputation in backward (the report shows what it would recompute and the time that adds).",
+                saved,
+            )
+        )
     gathered = at_peak.get(Category.GATHERED_PARAMETER, 0)
     if gathered >= ADVICE_SHARE * step.peak_bytes:
-        out.append(Advice(
-            f"Gathered parameters hold {format_bytes(gathered)} at the peak: with --shard zero3 and --transform they "
-            "are gathered again in backward instead of kept from the forward.", gathered))
+        out.append(
+            Advice(
+                f"Gathered parameters hold {format_bytes(gathered)} at the peak: with --shard zero3 and --transform "
+                "they are gathered again in backward instead of kept from the forward.",
+                gathered,
+            )
+        )
     return tuple(out)
 
 
@@ -183,8 +224,20 @@ def _plan(label: str, step: StepMemory, top: int, caching: bool = False, memory_
     for a in step.live_at_peak:
         key = (a.shape, a.dtype, a.category, a.symbol, a.source, a.nbytes)
         groups.setdefault(key, []).append(a)
-    rows = [TopAllocation(pattern_name([a.label for a in g]), g[0].shape, g[0].dtype, g[0].nbytes, g[0].category,
-                          g[0].symbol, g[0].source, len(g), g[0].name) for g in groups.values()]
+    rows = [
+        TopAllocation(
+            pattern_name([a.label for a in g]),
+            g[0].shape,
+            g[0].dtype,
+            g[0].nbytes,
+            g[0].category,
+            g[0].symbol,
+            g[0].source,
+            len(g),
+            g[0].name,
+        )
+        for g in groups.values()
+    ]
     rows.sort(key=lambda t: -t.total_bytes)
     reserved = replay_step(step, cap=memory_cap) if caching else None
     return Plan(label, step, tuple(sorted(by_category.items(), key=lambda kv: -kv[1])), tuple(rows[:top]), reserved)
@@ -234,8 +287,13 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     """The report as rich tables, one string (``color``: with the terminal's styles)."""
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=width, color_system="standard" if color else None,
-                      force_terminal=color, highlight=False)
+    console = Console(
+        file=io.StringIO(),
+        width=width,
+        color_system="standard" if color else None,
+        force_terminal=color,
+        highlight=False,
+    )
     plans = report.plans
     console.print(report.title)
     console.print()
@@ -261,8 +319,10 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         console.print()
         _print_recomputed(console, report)
     shown = report.shown
-    console.print(f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
-                  "symbol and source line counted once, as in repeated layers):")
+    console.print(
+        f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
+        "symbol and source line counted once, as in repeated layers):"
+    )
     console.print(_top_table(shown.top, width))
     console.print()
     for item in report.advice:
@@ -296,27 +356,35 @@ def _cap_lines(report: Report) -> list[str]:
         r = p.reserved
         if r.out_of_memory_bytes is None:
             retried = f", after releasing its cached segments {r.retries} time(s)" if r.retries else ""
-            lines.append(f"Under a cap of {cap} per rank, {p.label}: fits, reserving at most "
-                         f"{format_bytes(r.peak_reserved_bytes)}{retried}.")
+            lines.append(
+                f"Under a cap of {cap} per rank, {p.label}: fits, reserving at most "
+                f"{format_bytes(r.peak_reserved_bytes)}{retried}."
+            )
         elif p.step.peak_bytes <= report.memory_cap:
             peak = format_bytes(p.step.peak_bytes)
             planned = report.budget is not None and p is report.shown  # planned under the cap: the least it reaches
-            room = ("The budget's plan is the nearest to the cap the transform reaches" if planned else
-                    "--memory-budget with this --memory-cap plans a step that runs under it")
-            lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory at a request of "
-                         f"{format_bytes(r.out_of_memory_bytes)}, although its peak ({peak}) is under the cap: no "
-                         f"cached block holds the request and a new segment would pass the cap (fragmentation). "
-                         f"{room}; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room.")
+            room = (
+                "The budget's plan is the nearest to the cap the transform reaches"
+                if planned
+                else "--memory-budget with this --memory-cap plans a step that runs under it"
+            )
+            lines.append(
+                f"Under a cap of {cap} per rank, {p.label}: runs out of memory at a request of "
+                f"{format_bytes(r.out_of_memory_bytes)}, although its peak ({peak}) is under the cap: no "
+                f"cached block holds the request and a new segment would pass the cap (fragmentation). "
+                f"{room}; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may leave it room."
+            )
         else:
-            lines.append(f"Under a cap of {cap} per rank, {p.label}: runs out of memory (its peak, "
-                         f"{format_bytes(p.step.peak_bytes)}, is over the cap).")
+            lines.append(
+                f"Under a cap of {cap} per rank, {p.label}: runs out of memory (its peak, "
+                f"{format_bytes(p.step.peak_bytes)}, is over the cap)."
+            )
     return lines
 
 
 # The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
 # or not at all, so no figure, shape or source line is ever cut; only the name folds onto more lines.
-_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source",
-                "trace name")
+_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
 _LEFT_OUT_FIRST = ("trace name", "source", "symbol", "category", "dtype", "shape")
 _NAME_WIDTH = 24  # the least width of the name column, which folds
 _GAP = 3  # between two columns: a space of padding on each side of a space of border
@@ -324,9 +392,21 @@ _GAP = 3  # between two columns: a space of padding on each side of a space of b
 
 def _top_table(top: tuple[TopAllocation, ...], width: int):
     """The largest allocations at the peak as a table of at most ``width`` columns (see ``_LEFT_OUT_FIRST``)."""
-    rows = [(t.name, f"x{t.count}", "x".join(str(d) for d in t.shape) or "-", t.dtype, format_bytes(t.nbytes),
-             format_bytes(t.total_bytes), t.category.value, t.symbol, _short(t.source),
-             t.trace_name if t.trace_name != t.name else "") for t in top]
+    rows = [
+        (
+            t.name,
+            f"x{t.count}",
+            "x".join(str(d) for d in t.shape) or "-",
+            t.dtype,
+            format_bytes(t.nbytes),
+            format_bytes(t.total_bytes),
+            t.category.value,
+            t.symbol,
+            _short(t.source),
+            t.trace_name if t.trace_name != t.name else "",
+        )
+        for t in top
+    ]
     need = {h: max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(_TOP_HEADERS)}
     shown = list(_TOP_HEADERS)
 
@@ -363,14 +443,17 @@ def _table(first: str, *others: str):
 
 
 def _print_rewrites(console, rewrites: tuple[Rewrite, ...]) -> None:
-    console.print("What the transform did, pass by pass (peaks estimated on the traces it saw: the loss and the "
-                  "optimizer state come on top):")
+    console.print(
+        "What the transform did, pass by pass (peaks estimated on the traces it saw: the loss and the "
+        "optimizer state come on top):"
+    )
     table = _table("pass", "trace pair", "outcome", "estimated peak", "saved for backward", "seconds")
     table.add_column("note", overflow="fold")
     for r in rewrites:
         peak = f"{format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}" if r.peak_before is not None else "-"
-        saved = f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}" if r.saved_before is not None \
-            else "-"
+        saved = (
+            f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}" if r.saved_before is not None else "-"
+        )
         table.add_row(r.pass_name, str(r.pair), r.outcome.value, peak, saved, f"{r.seconds:.2f}", r.note or "")
     console.print(table)
 
@@ -385,16 +468,19 @@ def _print_recomputed(console, report: Report) -> None:
         if not r.recomputed or r.outcome.value != "applied":
             continue
         total = sum(g.count for g in r.recomputed)
-        console.print(f"Recomputed in backward ({r.pass_name}, trace pair {r.pair}): {total} symbols, predicted to "
-                      f"add {_seconds(r.added_seconds or 0.0)} on {H200.name} (dearest first):")
+        console.print(
+            f"Recomputed in backward ({r.pass_name}, trace pair {r.pair}): {total} symbols, predicted to "
+            f"add {_seconds(r.added_seconds or 0.0)} on {H200.name} (dearest first):"
+        )
         table = _table("symbol", "count", "predicted time")
         table.add_column("source", overflow="fold")
         for g in r.recomputed[:RECOMPUTED_ROWS]:
             table.add_row(g.symbol, f"x{g.count}", _seconds(g.seconds), _short(g.source))
         if len(r.recomputed) > RECOMPUTED_ROWS:
             rest = r.recomputed[RECOMPUTED_ROWS:]
-            table.add_row(f"{len(rest)} more", f"x{sum(g.count for g in rest)}",
-                          _seconds(sum(g.seconds for g in rest)), "")
+            table.add_row(
+                f"{len(rest)} more", f"x{sum(g.count for g in rest)}", _seconds(sum(g.seconds for g in rest)), ""
+            )
         console.print(table)
         console.print()
     if report.budget is not None:
@@ -406,12 +492,15 @@ def _print_recomputed(console, report: Report) -> None:
             verdict = f"met: {format_bytes(peak)}"
             verdict += f", {format_bytes(reserved.peak_reserved_bytes)} reserved" if reserved is not None else ""
         elif peak <= report.budget:
-            verdict = (f"cannot be met: the plan nearest to it ({format_bytes(peak)}) runs out of memory in the "
-                       "caching allocator's replay")
+            verdict = (
+                f"cannot be met: the plan nearest to it ({format_bytes(peak)}) runs out of memory in the "
+                "caching allocator's replay"
+            )
         else:
             verdict = f"cannot be met: the least peak the plan reaches is {format_bytes(peak)}"
-        console.print(f"Budget {format_bytes(report.budget)} per rank{under}: {verdict}",
-                      style="bold" if met else "yellow")
+        console.print(
+            f"Budget {format_bytes(report.budget)} per rank{under}: {verdict}", style="bold" if met else "yellow"
+        )
         console.print()
 
 
@@ -421,22 +510,32 @@ def _seconds(seconds: float) -> str:
 
 def _print_measured(console, m: Comparison) -> None:
     n = len(m.ranks_peak_bytes)
-    where = (f"one {m.device_type} process" if n == 1 else
-             f"{n} {m.device_type} ranks; rank {m.rank} has the highest peak (per rank: "
-             f"{', '.join(format_bytes(b) for b in m.ranks_peak_bytes)})")
+    where = (
+        f"one {m.device_type} process"
+        if n == 1
+        else f"{n} {m.device_type} ranks; rank {m.rank} has the highest peak (per rank: "
+        f"{', '.join(format_bytes(b) for b in m.ranks_peak_bytes)})"
+    )
     console.print(f"Measured: one step of {m.trainer} on {where}, a probe after every symbol:")
     table = _table("stage", "predicted", "measured", "error")
     for stage, predicted, measured in m.stages:
         error = f"{100 * (predicted - measured) / measured:+.2f}%" if measured else "-"
         table.add_row(stage, format_bytes(predicted), format_bytes(measured), error)
     if m.measured_at_predicted_peak is not None:
-        table.add_row("over the stretch of the predicted peak", format_bytes(m.predicted_peak_bytes),
-                      format_bytes(m.measured_at_predicted_peak), "")
+        table.add_row(
+            "over the stretch of the predicted peak",
+            format_bytes(m.predicted_peak_bytes),
+            format_bytes(m.measured_at_predicted_peak),
+            "",
+        )
     console.print(table)
     console.print(f"  measured peak: {m.measured_peak_where}")
     if m.unpaired != (0, 0):
-        console.print(f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: "
-                      "the measured step did not run the traces the prediction has", style="yellow")
+        console.print(
+            f"  {m.unpaired[0]} measured run(s) and {m.unpaired[1]} predicted phase(s) found no partner: "
+            "the measured step did not run the traces the prediction has",
+            style="yellow",
+        )
 
 
 def render_json(report: Report) -> dict:
@@ -458,14 +557,22 @@ def render_json(report: Report) -> dict:
     m = report.measured
     if m is not None:
         out["measured"] = {
-            "peak_bytes": m.measured_peak_bytes, "error": m.error, "rank": m.rank,
-            "ranks_peak_bytes": list(m.ranks_peak_bytes), "step_peak_bytes": m.step_peak_bytes,
-            "predicted_peak_bytes": m.predicted_peak_bytes, "predicted_step_peak_bytes": m.predicted_step_peak_bytes,
+            "peak_bytes": m.measured_peak_bytes,
+            "error": m.error,
+            "rank": m.rank,
+            "ranks_peak_bytes": list(m.ranks_peak_bytes),
+            "step_peak_bytes": m.step_peak_bytes,
+            "predicted_peak_bytes": m.predicted_peak_bytes,
+            "predicted_step_peak_bytes": m.predicted_step_peak_bytes,
             "step_error": m.step_error,
-            "device": m.device_type, "trainer": m.trainer, "at_predicted_peak_bytes": m.measured_at_predicted_peak,
+            "device": m.device_type,
+            "trainer": m.trainer,
+            "at_predicted_peak_bytes": m.measured_at_predicted_peak,
             "peak_at": m.measured_peak_where,
             "stages": [{"stage": s, "predicted_bytes": p, "measured_bytes": b} for s, p, b in m.stages],
-            "points": [list(pt) for pt in m.points], "paired_runs": m.paired, "unpaired": list(m.unpaired),
+            "points": [list(pt) for pt in m.points],
+            "paired_runs": m.paired,
+            "unpaired": list(m.unpaired),
         }
     return out
 
@@ -479,9 +586,18 @@ def _plan_json(plan: Plan) -> dict:
         "by_category": {c.value: v for c, v in plan.by_category},
         "reserved": None if plan.reserved is None else dataclasses.asdict(plan.reserved),
         "top": [
-            {"name": t.name, "trace_name": t.trace_name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
-             "count": t.count, "total_bytes": t.total_bytes, "category": t.category.value, "symbol": t.symbol,
-             "source": t.source}
+            {
+                "name": t.name,
+                "trace_name": t.trace_name,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "bytes": t.nbytes,
+                "count": t.count,
+                "total_bytes": t.total_bytes,
+                "category": t.category.value,
+                "symbol": t.symbol,
+                "source": t.source,
+            }
             for t in plan.top
         ],
     }
@@ -494,8 +610,9 @@ def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, 
 
     console = Console(file=io.StringIO(), width=180, color_system=None, highlight=False)
     capacity = fits[0][1].capacity
-    console.print(f"{title}: the largest step whose predicted peak fits {format_bytes(capacity)} per rank "
-                  f"({capacity} bytes)")
+    console.print(
+        f"{title}: the largest step whose predicted peak fits {format_bytes(capacity)} per rank ({capacity} bytes)"
+    )
     console.print()
 
     def cell(value: int | None, peak: int | None, what: str) -> str:
@@ -503,23 +620,41 @@ def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, 
             return "-"
         return f"{value}{what} ({format_bytes(peak)})" if peak is not None else f"{value}{what}"
 
-    table = _table("plan", f"sequence length, micro-batch {micro_batch_size}", "next, over",
-                   f"micro-batch at {block_size} tokens", "next, over")
+    table = _table(
+        "plan",
+        f"sequence length, micro-batch {micro_batch_size}",
+        "next, over",
+        f"micro-batch at {block_size} tokens",
+        "next, over",
+    )
     for label, fit in fits:
         t, m = fit.tokens, fit.micro_batch
-        table.add_row(label, cell(t.value, t.peak_bytes, " tokens") if t.value else "none fits",
-                      cell(t.above, t.above_peak_bytes, ""), cell(m.value, m.peak_bytes, "") if m.value else
-                      "none fits", cell(m.above, m.above_peak_bytes, ""))
+        table.add_row(
+            label,
+            cell(t.value, t.peak_bytes, " tokens") if t.value else "none fits",
+            cell(t.above, t.above_peak_bytes, ""),
+            cell(m.value, m.peak_bytes, "") if m.value else "none fits",
+            cell(m.above, m.above_peak_bytes, ""),
+        )
     console.print(table)
-    console.print("(sequence lengths and micro-batches are powers of two; the transform runs with the size as its "
-                  "memory budget)")
+    console.print(
+        "(sequence lengths and micro-batches are powers of two; the transform runs with the size as its memory budget)"
+    )
     return console.file.getvalue().rstrip("\n")
 
 
 def fit_json(fits: list[tuple[str, StepFit]]) -> dict:
-    return {"capacity_bytes": fits[0][1].capacity,
-            "plans": [{"label": label, "tokens": dataclasses.asdict(fit.tokens),
-                       "micro_batch": dataclasses.asdict(fit.micro_batch)} for label, fit in fits]}
+    return {
+        "capacity_bytes": fits[0][1].capacity,
+        "plans": [
+            {
+                "label": label,
+                "tokens": dataclasses.asdict(fit.tokens),
+                "micro_batch": dataclasses.asdict(fit.micro_batch),
+            }
+            for label, fit in fits
+        ],
+    }
 
 
 def _timeline_json(step: StepMemory) -> dict:
@@ -527,8 +662,10 @@ def _timeline_json(step: StepMemory) -> dict:
     timeline = step.timeline()
     return {
         "points": list(timeline.points),
-        "phases": [{"name": p.name, "stage": p.stage.value, "start": start, "peak_bytes": p.peak_bytes}
-                   for p, start in zip(step.phases, timeline.starts)],
+        "phases": [
+            {"name": p.name, "stage": p.stage.value, "start": start, "peak_bytes": p.peak_bytes}
+            for p, start in zip(step.phases, timeline.starts)
+        ],
         "categories": {c.value: list(series) for c, series in timeline.categories},
     }
 
@@ -556,29 +693,48 @@ def plot_figure(report: Report):
     fig, (ax, stacked) = plt.subplots(2, 1, figsize=(11, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for n, (plan, xs, timeline) in enumerate(zip(report.plans, axis.xs, axis.timelines)):
         points = timeline.points
-        line, = ax.plot(xs, [b / size for b in points], label=plan.label, linewidth=1)
+        (line,) = ax.plot(xs, [b / size for b in points], label=plan.label, linewidth=1)
         top = max(range(len(points)), key=points.__getitem__)
         right = xs[top] > 0.6 * axis.width  # the label to the left of a peak near the right edge
-        ax.annotate(f"peak {format_bytes(points[top])} ({plan.step.peak_phase})", (xs[top], points[top] / size),
-                    textcoords="offset points", xytext=(-5 if right else 5, -12 - 11 * n),
-                    ha="right" if right else "left", color=line.get_color(), fontsize=8)
+        ax.annotate(
+            f"peak {format_bytes(points[top])} ({plan.step.peak_phase})",
+            (xs[top], points[top] / size),
+            textcoords="offset points",
+            xytext=(-5 if right else 5, -12 - 11 * n),
+            ha="right" if right else "left",
+            color=line.get_color(),
+            fontsize=8,
+        )
     if report.measured is not None:
         m = report.measured
         xs = axis.xs[-1]
-        label = (f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} "
-                 f"({100 * m.error:+.2f}% predicted)")
-        ax.scatter([xs[pos] for pos, _, _ in m.points], [b / size for _, b, _ in m.points], s=2, color="black",
-                   linewidths=0, label=label, zorder=3)
+        label = (
+            f"measured (rank {m.rank}), peak {format_bytes(m.measured_peak_bytes)} ({100 * m.error:+.2f}% predicted)"
+        )
+        ax.scatter(
+            [xs[pos] for pos, _, _ in m.points],
+            [b / size for _, b, _ in m.points],
+            s=2,
+            color="black",
+            linewidths=0,
+            label=label,
+            zorder=3,
+        )
     shown = axis.timelines[-1]
     series = [(c.value, [b / size for b in values]) for c, values in shown.categories if any(values)]
-    stacked.stackplot(axis.xs[-1], *(values for _, values in series), labels=[name for name, _ in series],
-                      linewidth=0)
+    stacked.stackplot(axis.xs[-1], *(values for _, values in series), labels=[name for name, _ in series], linewidth=0)
     for a in (ax, stacked):
         for n, (stage, start, end) in enumerate(axis.bands):
             a.axvspan(start, end, color="0.93" if n % 2 else "white", zorder=0)
             if a is ax:
-                a.annotate(stage, ((start + end) / 2, 1.0), xycoords=("data", "axes fraction"), ha="center",
-                           va="bottom", fontsize=7)
+                a.annotate(
+                    stage,
+                    ((start + end) / 2, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
         for x in axis.traces:  # each trace's start (under FSDP2, each block's)
             a.axvline(x, color="0.6", linestyle=":", linewidth=0.3)
         a.set_ylim(bottom=0)
@@ -588,8 +744,9 @@ def plot_figure(report: Report):
     ax.set_title(report.title, fontsize=9, pad=14)
     stacked.set_ylabel(f"{report.shown.label}, by category ({unit})", fontsize=8)
     stacked.legend(loc="upper left", fontsize=7, ncol=2)
-    stacked.set_xlabel("symbols of the step, phase by phase (each phase as wide in every plan; dotted: a trace "
-                       "starts)", fontsize=8)
+    stacked.set_xlabel(
+        "symbols of the step, phase by phase (each phase as wide in every plan; dotted: a trace starts)", fontsize=8
+    )
     fig.tight_layout()
     return fig
 
@@ -623,8 +780,9 @@ def phase_axis(steps: list[StepMemory]) -> PhaseAxis:
     edges = [0.0]
     for w in widths:
         edges.append(edges[-1] + w)
-    xs = tuple(tuple(edges[k] + (j + 0.5) * widths[k] / c for k, c in enumerate(per) for j in range(c))
-               for per in counts)
+    xs = tuple(
+        tuple(edges[k] + (j + 0.5) * widths[k] / c for k, c in enumerate(per) for j in range(c)) for per in counts
+    )
     if len(widths) != len(phases):
         return PhaseAxis(timelines, xs, (), (), edges[-1])
     bands: list[tuple[str, float, float]] = []

@@ -204,9 +204,13 @@ def replay_step(step: StepMemory, *, steps: int = 3, cap: int | None = None) -> 
                     allocator.free(live.pop(number))
     except OutOfMemory as error:
         failed = error
-    return Reserved(peak_reserved_bytes=allocator.peak_reserved, peak_allocated_bytes=allocator.peak_allocated,
-                    retries=allocator.retries, out_of_memory_bytes=None if failed is None else failed.request,
-                    shortfall_bytes=None if failed is None else failed.shortfall)
+    return Reserved(
+        peak_reserved_bytes=allocator.peak_reserved,
+        peak_allocated_bytes=allocator.peak_allocated,
+        retries=allocator.retries,
+        out_of_memory_bytes=None if failed is None else failed.request,
+        shortfall_bytes=None if failed is None else failed.shortfall,
+    )
 
 
 def over_cap(step: StepMemory, cap: int) -> int:

@@ -69,8 +69,14 @@ def predicted_snapshot(step: StepMemory) -> dict:
     size = max(arena.high, ALIGNMENT)
     # "unknown" among the events' categories: the viewer colours a block of the final state by it (and stops
     # loading a snapshot whose events have categories but not that one).
-    segment_alloc = {"action": "segment_alloc", "addr": BASE_ADDRESS, "size": size, "stream": 0, "frames": [],
-                     "category": "unknown"}
+    segment_alloc = {
+        "action": "segment_alloc",
+        "addr": BASE_ADDRESS,
+        "size": size,
+        "stream": 0,
+        "frames": [],
+        "category": "unknown",
+    }
     alive = [(address[b.block], events.blocks[b.block]) for b in events.live.values()]
     return {"segments": [_segment(size, alive)], "device_traces": [[segment_alloc, *trace]]}
 
@@ -88,21 +94,39 @@ def _segment(size: int, alive: list[tuple[int, _Block]]) -> dict:
     at = BASE_ADDRESS
     for address, block in sorted(alive, key=lambda b: b[0]):
         if address > at:
-            blocks.append({"address": at, "size": address - at, "requested_size": 0, "state": "inactive",
-                           "frames": []})
-        blocks.append({"address": address, "size": block.nbytes, "requested_size": block.nbytes,
-                       "state": "active_allocated", "frames": list(block.frames)})
+            blocks.append({"address": at, "size": address - at, "requested_size": 0, "state": "inactive", "frames": []})
+        blocks.append(
+            {
+                "address": address,
+                "size": block.nbytes,
+                "requested_size": block.nbytes,
+                "state": "active_allocated",
+                "frames": list(block.frames),
+            }
+        )
         at = address + block.nbytes
     if at < BASE_ADDRESS + size:
-        blocks.append({"address": at, "size": BASE_ADDRESS + size - at, "requested_size": 0, "state": "inactive",
-                       "frames": []})
+        blocks.append(
+            {"address": at, "size": BASE_ADDRESS + size - at, "requested_size": 0, "state": "inactive", "frames": []}
+        )
     allocated = sum(b.nbytes for _, b in alive)
-    return {"device": DEVICE, "address": BASE_ADDRESS, "total_size": size, "stream": 0, "segment_type": "large",
-            "segment_pool_id": (0, 0), "is_expandable": False, "allocated_size": allocated,
-            "active_size": allocated, "requested_size": allocated, "blocks": blocks}
+    return {
+        "device": DEVICE,
+        "address": BASE_ADDRESS,
+        "total_size": size,
+        "stream": 0,
+        "segment_type": "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": False,
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "requested_size": allocated,
+        "blocks": blocks,
+    }
 
 
 # --- the events ---------------------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class _Live:
@@ -128,11 +152,24 @@ class Replay:
         recorded = {number for action, number in self.events if action == "alloc"}
         return [number for number in range(len(self.blocks)) if number not in recorded]
 
-    def allocate(self, token: Hashable, a: Allocation | None, phase: Phase, *, nbytes: int | None = None,
-                 frames: tuple[dict, ...] | None = None, recorded: bool = True) -> None:
+    def allocate(
+        self,
+        token: Hashable,
+        a: Allocation | None,
+        phase: Phase,
+        *,
+        nbytes: int | None = None,
+        frames: tuple[dict, ...] | None = None,
+        recorded: bool = True,
+    ) -> None:
         nbytes = a.nbytes if nbytes is None else nbytes
-        self.blocks.append(_Block(nbytes, frames if frames is not None else _frames(a, phase),
-                                  a.category.value if a is not None else "temporary"))
+        self.blocks.append(
+            _Block(
+                nbytes,
+                frames if frames is not None else _frames(a, phase),
+                a.category.value if a is not None else "temporary",
+            )
+        )
         self.live[token] = _Live(a.name if a is not None else "", nbytes, len(self.blocks) - 1)
         if recorded:
             self.events.append(("alloc", len(self.blocks) - 1))
@@ -148,8 +185,11 @@ def replay(step: StepMemory) -> Replay:
     events = Replay()
     for k, phase in enumerate(step.phases):
         held = [(("held", id(a)), a) for a in phase.outside]
-        inputs = [] if phase.timeline is None else [
-            (("trace", k, j), a) for j, a in enumerate(phase.timeline.allocations) if a.symbol == "input"]
+        inputs = (
+            []
+            if phase.timeline is None
+            else [(("trace", k, j), a) for j, a in enumerate(phase.timeline.allocations) if a.symbol == "input"]
+        )
         counted = {("held", id(a)) for a in phase.inside}
         carried, new = _carry(events.live, [*held, *inputs], counted)
         for token in [t for t in events.live if t not in carried]:
@@ -168,8 +208,9 @@ def replay(step: StepMemory) -> Replay:
     return events
 
 
-def _carry(live: dict[Hashable, _Live], wanted: list[tuple[Hashable, Allocation]], counted: set[Hashable]
-           ) -> tuple[dict[Hashable, Hashable], list[tuple[Hashable, Allocation]]]:
+def _carry(
+    live: dict[Hashable, _Live], wanted: list[tuple[Hashable, Allocation]], counted: set[Hashable]
+) -> tuple[dict[Hashable, Hashable], list[tuple[Hashable, Allocation]]]:
     """Which live blocks the phase keeps (live token -> its token in the phase) and what it newly holds. A block is
     kept under its own token; else by an allocation of the same name and size; else, where the phase's trace
     counts it (``counted``: its holdings' tokens), by an input of the same size."""
@@ -256,7 +297,7 @@ class _Arena:
         size = aligned(nbytes)
         for n, (offset, hole) in enumerate(self.holes):
             if hole >= size:
-                self.holes[n:n + 1] = [(offset + size, hole - size)] if hole > size else []
+                self.holes[n : n + 1] = [(offset + size, hole - size)] if hole > size else []
                 return BASE_ADDRESS + offset
         offset, self.top = self.top, self.top + size
         self.high = max(self.high, self.top)

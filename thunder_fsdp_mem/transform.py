@@ -99,10 +99,15 @@ class FSDPMemoryTransform(Transform):
             placeholder, forward = pending
             pair = Pair(forward, computation_trace)
             cd = get_compile_data()
-            pair, records = run_passes(pair, pipeline(c, regather=self._regathers()), on_refused=self._refused,
-                                       on_warning=self._warned, index=self._pairs,
-                                       estimator=estimator(c, pair, parameter_order(getattr(cd, "fn", None))),
-                                       shortfall=cap_shortfall(c))
+            pair, records = run_passes(
+                pair,
+                pipeline(c, regather=self._regathers()),
+                on_refused=self._refused,
+                on_warning=self._warned,
+                index=self._pairs,
+                estimator=estimator(c, pair, parameter_order(getattr(cd, "fn", None))),
+                shortfall=cap_shortfall(c),
+            )
             self._pairs += 1
             self.rewrites.extend(records)
             placeholder.bound_symbols = pair.forward.bound_symbols
@@ -125,11 +130,14 @@ class FSDPMemoryTransform(Transform):
                 lines.append(f"pair {pair}:")
             figures = ""
             if r.peak_before is not None:
-                figures = (f"peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, saved "
-                           f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}")
+                figures = (
+                    f"peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, saved "
+                    f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}"
+                )
             detail = "; ".join(x for x in (figures, r.note) if x)
-            lines.append(f"  {r.pass_name:<{width}}  {r.outcome.value}{': ' + detail if detail else ''}"
-                         f" ({r.seconds:.3f} s)")
+            lines.append(
+                f"  {r.pass_name:<{width}}  {r.outcome.value}{': ' + detail if detail else ''} ({r.seconds:.3f} s)"
+            )
         return "\n".join(lines)
 
     def _regathers(self) -> bool:

@@ -25,8 +25,18 @@ def format_bytes(nbytes: int, precision: int = 2) -> str:
     return f"{sign}{abs(nbytes) / size:.{precision}f} {unit}"
 
 
-_PARSED = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_PARSED = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -35,13 +45,13 @@ def parse_bytes(text: str) -> int:
     ValueError naming the text and the units known."""
     stripped = text.strip()
     number = stripped.rstrip("BbIiKkMmGgTt")
-    unit = stripped[len(number):].strip().upper()
+    unit = stripped[len(number) :].strip().upper()
     try:
         value = float(number)
     except ValueError:
         value = float("nan")
     if unit not in _PARSED or not value == value or value < 0:  # nan fails the comparison with itself
-        raise ValueError(f"cannot read {text!r} as a size: a number and one of B, KB, MB, GB, TB, KiB, MiB, GiB, "
-                         "TiB (60GB, 55.5GiB)")
+        raise ValueError(
+            f"cannot read {text!r} as a size: a number and one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (60GB, 55.5GiB)"
+        )
     return round(value * _PARSED[unit])
-

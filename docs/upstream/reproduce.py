@@ -40,6 +40,7 @@ CALLERS = ("thunder.executors.torch_compile", "thunder.executors.nvfuserex_impl"
 
 # --- the proposed change, applied in-process ----------------------------------------------------------------
 
+
 def apply_patch(source: str, diff: str) -> str:
     """``source`` with the unified ``diff``'s hunks applied (each hunk's old lines must be there as they are)."""
     lines = source.splitlines(keepends=True)
@@ -49,9 +50,9 @@ def apply_patch(source: str, diff: str) -> str:
         old = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "-")]
         new = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "+")]
         at = int(start) - 1 + offset
-        if lines[at:at + len(old)] != old:
+        if lines[at : at + len(old)] != old:
             raise ValueError(f"the patch does not apply at line {start}: this is not the Thunder it was made for")
-        lines[at:at + len(old)] = new
+        lines[at : at + len(old)] = new
         offset += len(new) - len(old)
     return "".join(lines)
 
@@ -91,14 +92,17 @@ def _forward(q, k, v, is_causal, scale):
 
 
 def _backward(g, q, k, v, out, lse, is_causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, is_causal,
-                                                                               scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
 
 
 forward = cpu_attention.register_operator("cpu_attention_forward", meta=_forward_meta, fn=_forward)
 backward = cpu_attention.register_operator(
-    "cpu_attention_backward", fn=_backward,
-    meta=lambda g, q, k, v, out, lse, is_causal, scale: (TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)))
+    "cpu_attention_backward",
+    fn=_backward,
+    meta=lambda g, q, k, v, out, lse, is_causal, scale: (TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)),
+)
 
 
 def _takes(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
@@ -111,12 +115,18 @@ def _grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None
     return out
 
 
-cpu_attention.register_implementation(ltorch.scaled_dot_product_attention, checker=_takes, grad_transform=_grad,
-                                      execution_transform=lambda q, k, v, attn_mask=None, dropout_p=0.0,
-                                      is_causal=False, *, scale=None: forward(q, k, v, is_causal, scale)[0])
+cpu_attention.register_implementation(
+    ltorch.scaled_dot_product_attention,
+    checker=_takes,
+    grad_transform=_grad,
+    execution_transform=lambda q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None: forward(
+        q, k, v, is_causal, scale
+    )[0],
+)
 
 
 # --- the block -------------------------------------------------------------------------------------------------
+
 
 def run_block(transforms=(), *, tokens: int = 256, width: int = 256):
     """One forward and backward of a NeoX block compiled by ThunderFX (bf16, CPU), with Thunder ``transforms``:
@@ -125,8 +135,15 @@ def run_block(transforms=(), *, tokens: int = 256, width: int = 256):
     from thunder.dynamo import ThunderCompiler
     from thunder.executors.torch_compile import torch_compile_ex
 
-    config = Config.from_name("stablecode-completion-alpha-3b", n_layer=1, n_embd=width, n_head=4,
-                              intermediate_size=4 * width, padded_vocab_size=512, block_size=tokens)
+    config = Config.from_name(
+        "stablecode-completion-alpha-3b",
+        n_layer=1,
+        n_embd=width,
+        n_head=4,
+        intermediate_size=4 * width,
+        padded_vocab_size=512,
+        block_size=tokens,
+    )
     torch.manual_seed(0)
     gpt = GPT(config).to(torch.bfloat16)
     block = gpt.transformer.h[0]
@@ -154,15 +171,19 @@ def _bytes(tensors) -> int:
 
 
 def main() -> None:
-    for label, context in (("Thunder as it is", contextlib.nullcontext()),
-                           ("with rematerialization.patch", fixed_rematerialization())):
+    for label, context in (
+        ("Thunder as it is", contextlib.nullcontext()),
+        ("with rematerialization.patch", fixed_rematerialization()),
+    ):
         with context:
             forward_trace, *_ = run_block()
         saved = saved_for_backward(forward_trace)
         fusions = sum(1 for b in forward_trace.bound_symbols if b.sym.is_fusion)
         f32 = [t for t in saved if t.dtype == dtypes.float32]
-        print(f"{label:<30} forward fusions {fusions}; saved for backward {_bytes(saved):>9,} bytes, of which "
-              f"float32 {_bytes(f32):>9,} ({', '.join(str(tuple(t.shape)) for t in f32) or 'none'})")
+        print(
+            f"{label:<30} forward fusions {fusions}; saved for backward {_bytes(saved):>9,} bytes, of which "
+            f"float32 {_bytes(f32):>9,} ({', '.join(str(tuple(t.shape)) for t in f32) or 'none'})"
+        )
 
 
 if __name__ == "__main__":

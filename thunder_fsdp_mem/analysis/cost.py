@@ -25,7 +25,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from thunder_fsdp_mem.analysis.symbols import (
-    RESHAPE_OPS, VIEW_OPS, dtype_name, is_fusion, nbytes, shape, sym_id, tensor_args, tensor_outputs,
+    RESHAPE_OPS,
+    VIEW_OPS,
+    dtype_name,
+    is_fusion,
+    nbytes,
+    shape,
+    sym_id,
+    tensor_args,
+    tensor_outputs,
 )
 
 MATMULS = frozenset({"matmul", "linear"})
@@ -71,8 +79,12 @@ class DeviceRates:
 # H200 SXM: bf16 and f16 dense matrix work at the about 790 TFLOP/s measured on the lent machine (NVIDIA's data
 # sheet: 989); float32 at 67 TFLOP/s (no TF32: torch's default precision); HBM3e at 4.8 TB/s (data sheet); 143771
 # MiB of memory (nvidia-smi on the lent machine).
-H200 = DeviceRates(name="H200", matmul_flops=MappingProxyType({"bf16": 790e12, "f16": 790e12, "f32": 67e12}),
-                   bandwidth=4.8e12, memory=143771 * 2**20)
+H200 = DeviceRates(
+    name="H200",
+    matmul_flops=MappingProxyType({"bf16": 790e12, "f16": 790e12, "f32": 67e12}),
+    bandwidth=4.8e12,
+    memory=143771 * 2**20,
+)
 
 
 def op_flops(bsym) -> tuple[float, str]:

@@ -34,8 +34,25 @@ from thunder_fsdp_mem.analysis import layout
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
-    ALL_GATHER, ALL_REDUCE, CLEAR, COLLECTIVES, ELEMENTWISE_OPS, KNOWN_EXECUTORS, PACKS, REDUCE_SCATTER, RESHAPE_OPS,
-    UNPACK_IDS, VIEW_OPS, WAITS, TensorLike, is_fusion, nbytes, shape, sym_id, tensor_args, tensor_outputs,
+    ALL_GATHER,
+    ALL_REDUCE,
+    CLEAR,
+    COLLECTIVES,
+    ELEMENTWISE_OPS,
+    KNOWN_EXECUTORS,
+    PACKS,
+    REDUCE_SCATTER,
+    RESHAPE_OPS,
+    UNPACK_IDS,
+    VIEW_OPS,
+    WAITS,
+    TensorLike,
+    is_fusion,
+    nbytes,
+    shape,
+    sym_id,
+    tensor_args,
+    tensor_outputs,
 )
 
 
@@ -137,8 +154,18 @@ def _view(bsym, sid: str, base: TensorLike, out: TensorLike, strides_of: Strides
 
 def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.Strides) -> layout.Strides:
     in_shape, out_shape = shape(base), shape(out)
-    if sid in ("shallow_copy", "detach", "alias", "update_aliases", "split", "split_with_sizes", "tensor_split",
-               "hsplit", "vsplit", "chunk"):
+    if sid in (
+        "shallow_copy",
+        "detach",
+        "alias",
+        "update_aliases",
+        "split",
+        "split_with_sizes",
+        "tensor_split",
+        "hsplit",
+        "vsplit",
+        "chunk",
+    ):
         return st if len(st) == len(out_shape) else layout.contiguous_strides(out_shape)
     if bsym.sym.id == PrimIDs.BROADCAST_IN_DIM:
         return layout.broadcast_in_dim(in_shape, st, out_shape, bsym.args[2])

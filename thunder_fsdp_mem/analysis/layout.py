@@ -118,8 +118,9 @@ def expanded(shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[i
     return tuple(out)
 
 
-def broadcast_in_dim(shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[int],
-                     broadcast_dims: Sequence[int]) -> Strides:
+def broadcast_in_dim(
+    shape: Sequence[int], strides: Sequence[int], new_shape: Sequence[int], broadcast_dims: Sequence[int]
+) -> Strides:
     """Strides of Thunder's ``broadcast_in_dim``: input dim i lands on ``broadcast_dims[i]``; every other output
     dimension, and every input dimension of size 1 that grows, has stride 0."""
     out = [0] * len(new_shape)

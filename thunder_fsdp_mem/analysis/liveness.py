@@ -30,7 +30,16 @@ from thunder_fsdp_mem.analysis import layout
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.effects import Effect, Kind, classify
 from thunder_fsdp_mem.analysis.symbols import (
-    ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAITS, dtype_name, nbytes, parameter_path, proxy_names, shape, sym_id,
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WAITS,
+    dtype_name,
+    nbytes,
+    parameter_path,
+    proxy_names,
+    shape,
+    sym_id,
     tensor_args,
 )
 
@@ -168,8 +177,13 @@ class MemoryTimeline:
         return out
 
 
-def analyze(trace: TraceCtx, *, inputs: Mapping[str, InputSpec] | None = None,
-            device_type: str | None = None, parameter_names: Mapping[str, str] | None = None) -> MemoryTimeline:
+def analyze(
+    trace: TraceCtx,
+    *,
+    inputs: Mapping[str, InputSpec] | None = None,
+    device_type: str | None = None,
+    parameter_names: Mapping[str, str] | None = None,
+) -> MemoryTimeline:
     """Live storage bytes over ``trace`` (a Thunder execution trace, forward or backward).
 
     Without ``inputs``, tensors passed directly as arguments are held by the caller (names starting with
@@ -205,16 +219,32 @@ class _Record:
     after: str | None = None
 
     def frozen(self) -> Allocation:
-        return Allocation(name=self.name, nbytes=self.nbytes, category=self.category, shape=self.shape,
-                          dtype=self.dtype, symbol=self.symbol, source=self.source, start=self.start, end=self.end,
-                          external=self.external, module=self.module, after=self.after)
+        return Allocation(
+            name=self.name,
+            nbytes=self.nbytes,
+            category=self.category,
+            shape=self.shape,
+            dtype=self.dtype,
+            symbol=self.symbol,
+            source=self.source,
+            start=self.start,
+            end=self.end,
+            external=self.external,
+            module=self.module,
+            after=self.after,
+        )
 
 
 class _Walk:
     """One pass over a trace, holding the reference counts of names, collections and storages."""
 
-    def __init__(self, trace: TraceCtx, inputs: dict[str, InputSpec], device_type: str | None = None,
-                 parameter_names: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        trace: TraceCtx,
+        inputs: dict[str, InputSpec],
+        device_type: str | None = None,
+        parameter_names: Mapping[str, str] | None = None,
+    ):
         self.trace = trace
         self.inputs = inputs
         self.device_type = device_type
@@ -276,12 +306,14 @@ class _Walk:
             self.live -= record.nbytes
             record.end = self.index
 
-    def _allocate(self, t, category: Category, symbol: str, source: str | None, *, size: int | None = None,
-                  external: bool = False) -> int:
+    def _allocate(
+        self, t, category: Category, symbol: str, source: str | None, *, size: int | None = None, external: bool = False
+    ) -> int:
         size = nbytes(t) if size is None else size
         alloc = len(self.allocs)
-        self.allocs.append(_Record(t.name, size, category, shape(t), dtype_name(t), symbol, source, self.index,
-                                   external=external))
+        self.allocs.append(
+            _Record(t.name, size, category, shape(t), dtype_name(t), symbol, source, self.index, external=external)
+        )
         self.alloc_refs.append(1 if external else 0)
         self.live += size
         return alloc
@@ -485,9 +517,17 @@ class _Walk:
         workspace = workspaces.get(peak_index, 0)
         peak_symbol = symbols[peak_index] if symbols else ""
         if workspace:
-            live.append(Allocation(name=f"workspace of {peak_symbol}", nbytes=workspace, category=Category.TEMPORARY,
-                                   symbol=peak_symbol, source=_source(self.trace.bound_symbols[peak_index]),
-                                   start=peak_index, end=peak_index + 1))
+            live.append(
+                Allocation(
+                    name=f"workspace of {peak_symbol}",
+                    nbytes=workspace,
+                    category=Category.TEMPORARY,
+                    symbol=peak_symbol,
+                    source=_source(self.trace.bound_symbols[peak_index]),
+                    start=peak_index,
+                    end=peak_index + 1,
+                )
+            )
         live.sort(key=lambda a: -a.nbytes)
         return MemoryTimeline(
             peak_bytes=peak,

@@ -100,8 +100,11 @@ class Phase:
     def category_points(self) -> dict[Category, list[int]]:
         """``points`` split by category (an op's workspace is temporary)."""
         live: dict[Category, int] = {}
-        for a in (*self.outside, *self.extra, *(() if self.timeline is None else (
-                a for a in self.timeline.allocations if a.symbol == "input"))):
+        for a in (
+            *self.outside,
+            *self.extra,
+            *(() if self.timeline is None else (a for a in self.timeline.allocations if a.symbol == "input")),
+        ):
             live[a.category] = live.get(a.category, 0) + a.nbytes
         if self.timeline is None:
             return {c: [b] for c, b in live.items()}
@@ -190,9 +193,16 @@ class StepMemory:
         return Timeline(tuple(points), tuple(starts), tuple((c, tuple(categories[c])) for c in order))
 
 
-def step_memory(phases: Iterable[Phase], *, forward: MemoryTimeline, backward: MemoryTimeline | None,
-                persistent_bytes: int, saved_bytes: int, gradient_bytes: int,
-                optimizer_state_bytes: int) -> StepMemory:
+def step_memory(
+    phases: Iterable[Phase],
+    *,
+    forward: MemoryTimeline,
+    backward: MemoryTimeline | None,
+    persistent_bytes: int,
+    saved_bytes: int,
+    gradient_bytes: int,
+    optimizer_state_bytes: int,
+) -> StepMemory:
     """The ``StepMemory`` of a step that runs ``phases`` in order; the peak is the first phase's of the highest."""
     phases = tuple(phases)
     peak = max(phases, key=lambda p: p.peak_bytes)
@@ -270,11 +280,17 @@ def adam_step_allocation(optimizer: str, sizes: list[tuple[int, str]], kind: str
     for size, dtype in sizes:
         by_dtype[dtype] = by_dtype.get(dtype, 0) + size
     dtype = max(by_dtype, key=by_dtype.__getitem__, default="")
-    return Allocation(name=f"{optimizer} step temporaries ({kind})", nbytes=adam_step_bytes(sizes, kind),
-                      category=Category.TEMPORARY, dtype=dtype, symbol=f"{optimizer}.step ({kind})")
+    return Allocation(
+        name=f"{optimizer} step temporaries ({kind})",
+        nbytes=adam_step_bytes(sizes, kind),
+        category=Category.TEMPORARY,
+        dtype=dtype,
+        symbol=f"{optimizer}.step ({kind})",
+    )
 
 
 # --- what is alive outside the traces --------------------------------------------------------------------------
+
 
 class Role(Enum):
     """Who holds an allocation outside the traces."""
@@ -333,14 +349,25 @@ class Holdings:
 
     def held_by(self, role: Role, owner: str | None = None) -> list[Key]:
         """The live keys that a holder of ``role`` (and ``owner``) holds, in the order they were first held."""
-        return [k for k, holders in self._holders.items()
-                if any(h.role is role and (owner is None or h.owner == owner) for h in holders)]
+        return [
+            k
+            for k, holders in self._holders.items()
+            if any(h.role is role and (owner is None or h.owner == owner) for h in holders)
+        ]
 
     def bytes(self, *kinds: Enum) -> int:
         return sum(a.nbytes for k, a in self._live.items() if k.kind in kinds)
 
-    def phase(self, stage: Stage, name: str, timeline: MemoryTimeline | None = None, *, inside: Iterable[Key] = (),
-              extra: tuple[Allocation, ...] = (), symbol: str = "") -> Phase:
+    def phase(
+        self,
+        stage: Stage,
+        name: str,
+        timeline: MemoryTimeline | None = None,
+        *,
+        inside: Iterable[Key] = (),
+        extra: tuple[Allocation, ...] = (),
+        symbol: str = "",
+    ) -> Phase:
         """A phase whose timeline (or ``extra``) counts the allocations of keys ``inside``; the rest is outside."""
         skip = set(inside)
         outside = tuple(a for k, a in self._live.items() if k not in skip)
@@ -351,6 +378,7 @@ class Holdings:
 
 
 # --- a jitted function's step ------------------------------------------------------------------------------------
+
 
 class _Held(Enum):
     PERSISTENT = "persistent"
@@ -363,8 +391,9 @@ LOSSES = ("cross_entropy",)
 DEVICE_TYPES = ("cuda", "cpu")
 
 
-def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimizer | None = None,
-                  device_type: str | None = None) -> StepMemory:
+def estimate_step(
+    fn, *, loss: str | None = None, optimizer: torch.optim.Optimizer | None = None, device_type: str | None = None
+) -> StepMemory:
     """Estimate the peak live tensor bytes of one forward and backward of ``fn``, a ``thunder.jit`` module or
     function that has run at least once (its last run's traces are used).
 
@@ -380,10 +409,16 @@ def estimate_step(fn, *, loss: str | None = None, optimizer: torch.optim.Optimiz
         raise ValueError(f"device_type must be None or one of {', '.join(DEVICE_TYPES)}; got {device_type!r}")
     forward_trace, backward_trace = _last_traces(fn)
     qualnames = dict(_qualnames(fn))
-    return _compose(forward_trace, backward_trace, _persistent_tensors(fn, forward_trace),
-                    _optimizer_state(optimizer, qualnames, device_type), loss, device_type=device_type,
-                    parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
-                    optimizer_step=_optimizer_step(optimizer, device_type))
+    return _compose(
+        forward_trace,
+        backward_trace,
+        _persistent_tensors(fn, forward_trace),
+        _optimizer_state(optimizer, qualnames, device_type),
+        loss,
+        device_type=device_type,
+        parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
+        optimizer_step=_optimizer_step(optimizer, device_type),
+    )
 
 
 def _optimizer_step(optimizer, device_type: str | None) -> Allocation | None:
@@ -397,8 +432,15 @@ def _optimizer_step(optimizer, device_type: str | None) -> Allocation | None:
     return adam_step_allocation(type(optimizer).__name__, sizes, kind)
 
 
-def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | None = None, loss: str | None = None,
-                    held: tuple[Allocation, ...] = (), optimizer_step: Allocation | None = None) -> StepMemory:
+def estimate_traces(
+    forward_trace,
+    backward_trace=None,
+    *,
+    reuse: StepMemory | None = None,
+    loss: str | None = None,
+    held: tuple[Allocation, ...] = (),
+    optimizer_step: Allocation | None = None,
+) -> StepMemory:
     """The same estimate from a forward execution trace and its backward alone (what a transform sees): the
     tensors alive before the step are the forward's tensor arguments. ``loss``: as ``estimate_step``'s, the loss
     the caller computes on the forward's output (None: none); ``held``: allocations alive through the step besides
@@ -408,8 +450,15 @@ def estimate_traces(forward_trace, backward_trace=None, *, reuse: StepMemory | N
     against one forward analyses it once)."""
     if loss is not None and loss not in LOSSES:
         raise ValueError(f"loss must be None or one of {', '.join(LOSSES)}; got {loss!r}")
-    return _compose(forward_trace, backward_trace, _persistent_tensors(None, forward_trace), list(held), loss,
-                    forward=reuse.forward if reuse is not None else None, optimizer_step=optimizer_step)
+    return _compose(
+        forward_trace,
+        backward_trace,
+        _persistent_tensors(None, forward_trace),
+        list(held),
+        loss,
+        forward=reuse.forward if reuse is not None else None,
+        optimizer_step=optimizer_step,
+    )
 
 
 def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
@@ -418,23 +467,57 @@ def anticipated_adamw(forward_trace, backward_trace) -> tuple[Allocation, ...]:
     shard, under FSDP) and, on CPU, its step count."""
     trained = _trained(forward_trace, backward_trace)
     on = device.device_type(trained[0]) if trained else "cpu"
-    return tuple(a for arg in trained
-                 for a in adam_state("AdamW", parameter_path(arg.name) or arg.name, nbytes(arg), tuple(arg.shape),
-                                     dtype_name(arg), device_type=on))
+    return tuple(
+        a
+        for arg in trained
+        for a in adam_state(
+            "AdamW",
+            parameter_path(arg.name) or arg.name,
+            nbytes(arg),
+            tuple(arg.shape),
+            dtype_name(arg),
+            device_type=on,
+        )
+    )
 
 
-def adam_state(optimizer: str, parameter: str, nbytes_: int, shape: tuple, dtype: str, *, device_type: str,
-               amsgrad: bool = False, step_on_device: bool = False) -> list[Allocation]:
+def adam_state(
+    optimizer: str,
+    parameter: str,
+    nbytes_: int,
+    shape: tuple,
+    dtype: str,
+    *,
+    device_type: str,
+    amsgrad: bool = False,
+    step_on_device: bool = False,
+) -> list[Allocation]:
     """The state Adam and AdamW (torch 2.11) create for one parameter in their first step, as the device of
     ``device_type`` holds it: ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) shaped like the
     parameter, and a float32 ``step`` count, which lives on the host unless the optimizer is fused or capturable
     (``step_on_device``): counted on CPU, or where it is on the device."""
     keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
-    state = [held_allocation(optimizer_state_name(optimizer, key, parameter), nbytes_, Category.OPTIMIZER_STATE,
-                             shape=shape, dtype=dtype, symbol="anticipated") for key in keys]
+    state = [
+        held_allocation(
+            optimizer_state_name(optimizer, key, parameter),
+            nbytes_,
+            Category.OPTIMIZER_STATE,
+            shape=shape,
+            dtype=dtype,
+            symbol="anticipated",
+        )
+        for key in keys
+    ]
     if step_on_device or device_type == "cpu":
-        state.append(held_allocation(optimizer_state_name(optimizer, "step", parameter), 4, Category.OPTIMIZER_STATE,
-                                     dtype="f32", symbol="anticipated"))
+        state.append(
+            held_allocation(
+                optimizer_state_name(optimizer, "step", parameter),
+                4,
+                Category.OPTIMIZER_STATE,
+                dtype="f32",
+                symbol="anticipated",
+            )
+        )
     return state
 
 
@@ -487,15 +570,29 @@ def _flat_args(forward_trace) -> list:
     return []
 
 
-def _compose(forward_trace, backward_trace, persistent: dict, state: list[Allocation], loss: str | None,
-             forward: MemoryTimeline | None = None, device_type: str | None = None,
-             parameter_names: dict[str, str] | None = None, optimizer_step: Allocation | None = None) -> StepMemory:
+def _compose(
+    forward_trace,
+    backward_trace,
+    persistent: dict,
+    state: list[Allocation],
+    loss: str | None,
+    forward: MemoryTimeline | None = None,
+    device_type: str | None = None,
+    parameter_names: dict[str, str] | None = None,
+    optimizer_step: Allocation | None = None,
+) -> StepMemory:
     forward_args = _arg_names(forward_trace)
     if forward is None:
-        forward = analyze(forward_trace, inputs={
-            name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
-            for name, held in persistent.items() if name in forward_args
-        }, device_type=device_type, parameter_names=parameter_names)
+        forward = analyze(
+            forward_trace,
+            inputs={
+                name: InputSpec(held.key, held.record.category, external=True, nbytes=held.record.nbytes)
+                for name, held in persistent.items()
+                if name in forward_args
+            },
+            device_type=device_type,
+            parameter_names=parameter_names,
+        )
     holdings = Holdings()
     model, caller = Holder(Role.MODEL), Holder(Role.CALLER)
     for held in _unique(persistent.values()):
@@ -506,8 +603,9 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
     def persistent_key(name: str) -> Key:
         return Key(_Held.PERSISTENT, item=persistent[name].key)
 
-    holdings.phase(Stage.FORWARD, "forward", forward,
-                   inside=[persistent_key(n) for n in forward_args if n in persistent])
+    holdings.phase(
+        Stage.FORWARD, "forward", forward, inside=[persistent_key(n) for n in forward_args if n in persistent]
+    )
     returned = sorted(set(forward.outputs.values()))
     saved_bytes = 0
     for i in returned:
@@ -527,46 +625,65 @@ def _compose(forward_trace, backward_trace, persistent: dict, state: list[Alloca
     backward = None
     gradient_bytes = 0
     if backward_trace is not None:
-        backward = analyze(backward_trace, inputs=_saved_specs(forward), device_type=device_type,
-                           parameter_names=parameter_names)
+        backward = analyze(
+            backward_trace, inputs=_saved_specs(forward), device_type=device_type, parameter_names=parameter_names
+        )
         received = {forward.outputs[n] for n in _arg_names(backward_trace) if n in forward.outputs}
         inside = [Key(_Held.RETURNED, item=i) for i in received]
-        inside += [persistent_key(forward.allocations[i].name) for i in received
-                   if forward.allocations[i].name in persistent]
+        inside += [
+            persistent_key(forward.allocations[i].name) for i in received if forward.allocations[i].name in persistent
+        ]
         holdings.phase(Stage.BACKWARD, "backward", backward, inside=inside)
-        gradients = [(i, a) for i, a in enumerate(backward.allocations)
-                     if a.category is Category.GRADIENT and a.end is None]
+        gradients = [
+            (i, a) for i, a in enumerate(backward.allocations) if a.category is Category.GRADIENT and a.end is None
+        ]
         gradient_bytes = sum(a.nbytes for _, a in gradients)
         if optimizer_step is not None:  # the backward freed what it was saved; the gradients stay for the step
             for key in holdings.held_by(Role.SAVED):
                 holdings.release(key, Holder(Role.SAVED))
             for i, a in gradients:
                 holdings.hold(Key(_Held.GRADIENT, item=i), a, model)
-            holdings.phase(Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(optimizer_step,),
-                           symbol=optimizer_step.symbol)
-    return step_memory(holdings.phases, forward=forward, backward=backward,
-                       persistent_bytes=sum(held.record.nbytes for held in _unique(persistent.values())),
-                       saved_bytes=saved_bytes, gradient_bytes=gradient_bytes,
-                       optimizer_state_bytes=sum(a.nbytes for a in state))
+            holdings.phase(
+                Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(optimizer_step,), symbol=optimizer_step.symbol
+            )
+    return step_memory(
+        holdings.phases,
+        forward=forward,
+        backward=backward,
+        persistent_bytes=sum(held.record.nbytes for held in _unique(persistent.values())),
+        saved_bytes=saved_bytes,
+        gradient_bytes=gradient_bytes,
+        optimizer_state_bytes=sum(a.nbytes for a in state),
+    )
 
 
 def loss_allocations(logits: Allocation) -> tuple[Allocation, ...]:
     """What eager ``cross_entropy`` on ``logits`` holds at the end of its backward, beside the logits: the
     ``log_softmax`` it saved, the gradient of ``nll_loss`` and the logits' gradient, each the logits' size."""
     return tuple(
-        Allocation(name=name, nbytes=logits.nbytes, category=Category.TEMPORARY, shape=logits.shape,
-                   dtype=logits.dtype, symbol=symbol)
-        for name, symbol in (("log_softmax of the logits", "log_softmax (eager loss)"),
-                             ("gradient of nll_loss", "nll_loss_backward (eager loss)"),
-                             ("gradient of the logits", "log_softmax_backward (eager loss)"))
+        Allocation(
+            name=name,
+            nbytes=logits.nbytes,
+            category=Category.TEMPORARY,
+            shape=logits.shape,
+            dtype=logits.dtype,
+            symbol=symbol,
+        )
+        for name, symbol in (
+            ("log_softmax of the logits", "log_softmax (eager loss)"),
+            ("gradient of nll_loss", "nll_loss_backward (eager loss)"),
+            ("gradient of the logits", "log_softmax_backward (eager loss)"),
+        )
     )
 
 
-def held_allocation(name: str, nbytes: int, category: Category, *, shape=(), dtype: str = "",
-                    symbol: str = "held outside the trace") -> Allocation:
+def held_allocation(
+    name: str, nbytes: int, category: Category, *, shape=(), dtype: str = "", symbol: str = "held outside the trace"
+) -> Allocation:
     """An allocation held outside the traces (a parameter, optimizer state, a buffer of FSDP's)."""
-    return Allocation(name=name, nbytes=nbytes, category=category, shape=tuple(shape), dtype=dtype, symbol=symbol,
-                      external=True)
+    return Allocation(
+        name=name, nbytes=nbytes, category=category, shape=tuple(shape), dtype=dtype, symbol=symbol, external=True
+    )
 
 
 def _qualnames(fn) -> list[tuple[int, str]]:
@@ -591,7 +708,11 @@ def _optimizer_state(optimizer, qualnames: dict[int, str], device_type: str | No
             if isinstance(t, torch.Tensor):
                 records[_storage_key(t)] = held_allocation(
                     optimizer_state_name(optimizer, key, qualnames.get(id(param), f"parameter #{i}")),
-                    t.untyped_storage().nbytes(), Category.OPTIMIZER_STATE, shape=t.shape, dtype=dtype_name(t))
+                    t.untyped_storage().nbytes(),
+                    Category.OPTIMIZER_STATE,
+                    shape=t.shape,
+                    dtype=dtype_name(t),
+                )
     return list(records.values())
 
 
@@ -600,16 +721,25 @@ def _anticipated_adam_state(optimizer, qualnames: dict[int, str], device_type: s
     gradient, on ``device_type`` (None: the parameters'). Other optimizers without state yet: none, with a warning
     (their state is counted once it exists)."""
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
-        warnings.warn(f"estimate_step: {type(optimizer).__name__} has no state yet and its state is not "
-                      "anticipated; run one optimizer step first to count it", stacklevel=3)
+        warnings.warn(
+            f"estimate_step: {type(optimizer).__name__} has no state yet and its state is not "
+            "anticipated; run one optimizer step first to count it",
+            stacklevel=3,
+        )
         return []
     records = []
     params = [(group, p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     for i, (group, param) in enumerate(params):
-        records += adam_state(type(optimizer).__name__, qualnames.get(id(param), f"parameter #{i}"),
-                              param.numel() * param.element_size(), tuple(param.shape), dtype_name(param),
-                              device_type=device_type or param.device.type, amsgrad=bool(group.get("amsgrad")),
-                              step_on_device=bool(group.get("fused") or group.get("capturable")))
+        records += adam_state(
+            type(optimizer).__name__,
+            qualnames.get(id(param), f"parameter #{i}"),
+            param.numel() * param.element_size(),
+            tuple(param.shape),
+            dtype_name(param),
+            device_type=device_type or param.device.type,
+            amsgrad=bool(group.get("amsgrad")),
+            step_on_device=bool(group.get("fused") or group.get("capturable")),
+        )
     return records
 
 
@@ -654,14 +784,16 @@ def _persistent_tensors(fn, trace) -> dict[str, _Persistent]:
     if isinstance(fn, torch.nn.Module):
         for qualname, t in [*fn.named_parameters(), *fn.named_buffers()]:
             name = "t_" + qualname.replace(".", "_")
-            record = held_allocation(qualname, t.untyped_storage().nbytes(), Category.PARAMETER, shape=t.shape,
-                                     dtype=dtype_name(t))
+            record = held_allocation(
+                qualname, t.untyped_storage().nbytes(), Category.PARAMETER, shape=t.shape, dtype=dtype_name(t)
+            )
             out[name] = _Persistent(_storage_key(t), record)
     for a in trace.args:
         if hasattr(a, "shape") and hasattr(a, "dtype") and a.name not in out:
             category = Category.PARAMETER if a.name.startswith("t_") else Category.INPUT
-            out[a.name] = _Persistent(a.name, held_allocation(a.name, nbytes(a), category, shape=a.shape,
-                                                              dtype=dtype_name(a)))
+            out[a.name] = _Persistent(
+                a.name, held_allocation(a.name, nbytes(a), category, shape=a.shape, dtype=dtype_name(a))
+            )
     return out
 
 

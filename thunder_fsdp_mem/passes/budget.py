@@ -47,7 +47,7 @@ DROPS = 8  # expensive ops ``_without_the_dearest`` tries to keep, one by one
 # Prices, in bytes of saved memory per second of recomputation, tried from the highest: at 10^15 B/s a GB is worth
 # a microsecond (nothing dear is recomputed), at 10^7 B/s a millisecond of recomputation is worth 10 KB (nearly
 # everything is); then 0.
-GRID = tuple(10.0 ** e for e in range(15, 6, -1)) + (0.0,)
+GRID = tuple(10.0**e for e in range(15, 6, -1)) + (0.0,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +68,15 @@ class Fit:
         return self.plan.seconds
 
 
-def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory], int],
-        judge: Callable[[TraceCtx, TraceCtx], StepMemory], recompute_weight: float,
-        rates: DeviceRates = H200) -> Fit:
+def fit(
+    forward: TraceCtx,
+    backward: TraceCtx,
+    *,
+    excess: Callable[[StepMemory], int],
+    judge: Callable[[TraceCtx, TraceCtx], StepMemory],
+    recompute_weight: float,
+    rates: DeviceRates = H200,
+) -> Fit:
     """The plan whose ``excess`` is 0 recomputing least (see the module's docstring)."""
 
     def rank(f: Fit) -> tuple[int, float]:  # over the budget by less; fitting, with less recomputation
@@ -80,14 +86,22 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
     def attempt(price: float | None, only: frozenset[int] | None = None) -> Fit:
         best = None
         for segments in (False, True) if price is not None else (False,):
-            plan = plan_saved(forward, recompute_weight=recompute_weight, price=price, rates=rates,
-                              segments=segments, only=only)
+            plan = plan_saved(
+                forward, recompute_weight=recompute_weight, price=price, rates=rates, segments=segments, only=only
+            )
             if best is not None and plan == best.plan:
                 continue
             new_forward, new_backward = apply_plan(forward, backward, plan) if plan.changes else (forward, backward)
             estimate = judge(new_forward, new_backward)
-            candidate = Fit(plan, new_forward, new_backward, estimate, price, excess(estimate) <= 0,
-                            recomputed_groups(forward, plan, rates))
+            candidate = Fit(
+                plan,
+                new_forward,
+                new_backward,
+                estimate,
+                price,
+                excess(estimate) <= 0,
+                recomputed_groups(forward, plan, rates),
+            )
             if best is None or rank(candidate) < rank(best):
                 best = candidate
         return best
@@ -108,7 +122,7 @@ def fit(forward: TraceCtx, backward: TraceCtx, *, excess: Callable[[StepMemory],
     low, high = math.log10(best.price), math.log10(above.price)  # low fits, high does not
     for _ in range(BISECTIONS):
         middle = (low + high) / 2
-        candidate = attempt(10.0 ** middle)
+        candidate = attempt(10.0**middle)
         if candidate.reached:
             best, low = candidate, middle
         else:
@@ -142,8 +156,10 @@ def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fi
     the budget needs beside a cheaper one (a ThunderFX block's MLP region beside its attention region), the plan
     at the price recomputes both, and the dear one alone may be enough. At most ``DROPS`` ops are tried (beyond
     that the ops are alike, each block's, and ``_fewer`` has chosen among them)."""
-    dear = sorted((i for i in best.plan.recompute if priced(forward.bound_symbols[i])),
-                  key=lambda i: -op_seconds(forward.bound_symbols[i], rates))
+    dear = sorted(
+        (i for i in best.plan.recompute if priced(forward.bound_symbols[i])),
+        key=lambda i: -op_seconds(forward.bound_symbols[i], rates),
+    )
     if len(dear) > DROPS:
         return best
     allowed = set(dear)

@@ -42,8 +42,10 @@ _BINARY = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl", 
 # device type -> 16-bit dtype -> ops whose 16-bit kernel computes what upcast, op, round computes. ``rsqrt`` on
 # CPU does so only in ATen's vectorized body: its scalar tail, and small tensors, differ (tests/test_casts.py).
 FOLDABLE: dict[str, dict[str, frozenset[str]]] = {
-    "cuda": {"bf16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"},
-             "f16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"}},
+    "cuda": {
+        "bf16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"},
+        "f16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"},
+    },
     "cpu": {"bf16": _UNARY | _BINARY | {"sqrt", "sin"}, "f16": _UNARY | _BINARY},
 }
 # A number operand: any number exact in the 16-bit dtype, with the ops below. One that is not exact there only at
@@ -56,6 +58,7 @@ INEXACT_NUMBER: dict[str, frozenset[tuple[str, int]]] = {
 }
 _LOW = {"bf16": torch.bfloat16, "f16": torch.float16}
 _CASTS = frozenset({"to", "convert_element_type"})
+
 
 def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     """``trace`` with each foldable upcast-op-round bracket run as one op in the 16-bit dtype (see the module's
@@ -87,8 +90,9 @@ def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:
     if not folded:
         return trace
     dropped |= {k for k in upcasts if uses[bsyms[k].output.name] == 0}
-    return rebuilt(trace, [folded.get(i, b) for i, b in enumerate(bsyms) if i not in dropped],
-                   f"{len(folded)} ops run in 16 bits")
+    return rebuilt(
+        trace, [folded.get(i, b) for i, b in enumerate(bsyms) if i not in dropped], f"{len(folded)} ops run in 16 bits"
+    )
 
 
 def _rounding(bsym) -> str | None:
@@ -130,8 +134,7 @@ def _folded(bsyms, producer, op, low: str, out: TensorProxy, device_type: str | 
                 return None
             args.append(cast[0])
             from_upcasts.append(k)
-        elif _number(a) and sid in _WITH_NUMBER and (
-                _exact(a, _LOW[low]) or (sid, position) in INEXACT_NUMBER[on]):
+        elif _number(a) and sid in _WITH_NUMBER and (_exact(a, _LOW[low]) or (sid, position) in INEXACT_NUMBER[on]):
             args.append(a)
         else:
             return None

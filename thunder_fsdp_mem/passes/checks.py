@@ -24,7 +24,8 @@ def check_program(trace: TraceCtx) -> None:
                 continue
             if a.name in deleted:
                 raise CheckError(
-                    f"symbol {i} ({bsym.sym.name}) reads {a.name} after its del at symbol {deleted[a.name]}")
+                    f"symbol {i} ({bsym.sym.name}) reads {a.name} after its del at symbol {deleted[a.name]}"
+                )
             raise CheckError(f"symbol {i} ({bsym.sym.name}) reads {a.name} before anything defines it")
         if bsym.sym.id == PrimIDs.DEL:
             for a in bsym.flat_proxy_args:
@@ -37,6 +38,7 @@ def check_program(trace: TraceCtx) -> None:
 def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False) -> None:
     """Both traces return the same proxies; with ``ignore_saved`` (an augmented forward), the saved-for-backward
     part of the return may differ."""
+
     def returned(trace):
         out = trace.bound_symbols[-1]
         if out.sym.id != PrimIDs.RETURN:
@@ -50,8 +52,7 @@ def check_same_result(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool =
 
 def collectives(trace: TraceCtx) -> list[tuple[str, tuple[str, ...]]]:
     """The trace's collectives as (op, argument names), in order."""
-    return [(sym_id(b), tuple(proxy_names(b.args))) for b in trace.bound_symbols
-            if sym_id(b) in COLLECTIVES]
+    return [(sym_id(b), tuple(proxy_names(b.args))) for b in trace.bound_symbols if sym_id(b) in COLLECTIVES]
 
 
 def check_same_collectives(before: TraceCtx, after: TraceCtx, *, ordered: bool = True, added=()) -> None:
@@ -65,8 +66,9 @@ def check_same_collectives(before: TraceCtx, after: TraceCtx, *, ordered: bool =
         raise CheckError("the rewritten trace issues its collectives in another order")
 
 
-def check_rewrite(before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False, ordered: bool = True,
-                  added=()) -> None:
+def check_rewrite(
+    before: TraceCtx, after: TraceCtx, *, ignore_saved: bool = False, ordered: bool = True, added=()
+) -> None:
     """All three checks of ``after``, the rewrite of ``before`` (see each)."""
     check_program(after)
     check_same_result(before, after, ignore_saved=ignore_saved)

@@ -153,10 +153,16 @@ class Rewrite:
     added_seconds: float | None = None
 
 
-def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str, str], None],
-               on_warning: Callable[[str, str], None] | None = None, index: int = 0,
-               estimator: Estimator = estimate_traces,
-               shortfall: Callable[[StepMemory], int] | None = None) -> tuple[Pair, tuple[Rewrite, ...]]:
+def run_passes(
+    pair: Pair,
+    passes: Sequence[Pass],
+    *,
+    on_refused: Callable[[str, str], None],
+    on_warning: Callable[[str, str], None] | None = None,
+    index: int = 0,
+    estimator: Estimator = estimate_traces,
+    shortfall: Callable[[StepMemory], int] | None = None,
+) -> tuple[Pair, tuple[Rewrite, ...]]:
     """The pair after every pass of ``passes`` (see the module's docstring), and one ``Rewrite`` per pass that ran.
     ``on_refused(pass name, reason)`` is called for each refusal, ``on_warning(pass name, what)`` for each warning
     (None: ``on_refused``); ``index``: the pair's number in the records; ``shortfall``: see the module's
@@ -176,13 +182,26 @@ def run_passes(pair: Pair, passes: Sequence[Pass], *, on_refused: Callable[[str,
             applied.add(p.name)
         elif record.outcome is Outcome.REFUSED:
             on_refused(p.name, record.note)
-        log.debug("FSDPMemoryTransform pass %s on pair %d: %s (peak %s -> %s) in %.3f s", p.name, index,
-                  record.outcome.value, record.peak_before, record.peak_after, record.seconds)
+        log.debug(
+            "FSDPMemoryTransform pass %s on pair %d: %s (peak %s -> %s) in %.3f s",
+            p.name,
+            index,
+            record.outcome.value,
+            record.peak_before,
+            record.peak_after,
+            record.seconds,
+        )
     return pair, tuple(records)
 
 
-def _run_one(p: Pass, pair: Pair, context: Context, index: int, warn: Callable[[str, str], None],
-             shortfall: Callable[[StepMemory], int] | None) -> tuple[Rewrite, Pair, Context]:
+def _run_one(
+    p: Pass,
+    pair: Pair,
+    context: Context,
+    index: int,
+    warn: Callable[[str, str], None],
+    shortfall: Callable[[StepMemory], int] | None,
+) -> tuple[Rewrite, Pair, Context]:
     try:
         proposal = p.run(pair, context)
         if proposal.warning is not None:
@@ -200,16 +219,30 @@ def _run_one(p: Pass, pair: Pair, context: Context, index: int, warn: Callable[[
     if after is None:
         reuse = before if proposal.forward is pair.forward else None
         after = context.estimator(proposal.forward, proposal.backward, reuse=reuse)
-    figures = dict(peak_before=before.peak_bytes, peak_after=after.peak_bytes, saved_before=before.saved_bytes,
-                   saved_after=after.saved_bytes, note=proposal.note, recomputed=proposal.recomputed,
-                   added_seconds=proposal.seconds)
+    figures = dict(
+        peak_before=before.peak_bytes,
+        peak_after=after.peak_bytes,
+        saved_before=before.saved_bytes,
+        saved_after=after.saved_bytes,
+        note=proposal.note,
+        recomputed=proposal.recomputed,
+        added_seconds=proposal.seconds,
+    )
     if after.peak_bytes > before.peak_bytes and not proposal.budgeted:
-        log.info("FSDPMemoryTransform: %s kept out, it would raise the estimated peak from %d to %d bytes", p.name,
-                 before.peak_bytes, after.peak_bytes)
+        log.info(
+            "FSDPMemoryTransform: %s kept out, it would raise the estimated peak from %d to %d bytes",
+            p.name,
+            before.peak_bytes,
+            after.peak_bytes,
+        )
         return Rewrite(p.name, Outcome.RAISES_PEAK, index, **figures), pair, context
     if shortfall is not None and shortfall(after) > shortfall(before):
-        log.info("FSDPMemoryTransform: %s kept out, the allocator's replay would miss the cap by %d bytes, not %d",
-                 p.name, shortfall(after), shortfall(before))
+        log.info(
+            "FSDPMemoryTransform: %s kept out, the allocator's replay would miss the cap by %d bytes, not %d",
+            p.name,
+            shortfall(after),
+            shortfall(before),
+        )
         return Rewrite(p.name, Outcome.MISSES_CAP, index, **figures), pair, context
     new = Pair(proposal.forward, proposal.backward)
     return Rewrite(p.name, Outcome.APPLIED, index, **figures), new, Context(new, context.estimator, after)

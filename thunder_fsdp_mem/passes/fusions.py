@@ -58,8 +58,7 @@ def into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tra
     except (RuntimeError, AssertionError, ValueError, KeyError, NotImplementedError) as e:
         if isinstance(e, PassError):
             raise
-        raise FusionError(f"Thunder's rematerialization did not take these fusions: {type(e).__name__}: {e}") \
-            from e
+        raise FusionError(f"Thunder's rematerialization did not take these fusions: {type(e).__name__}: {e}") from e
 
 
 def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
@@ -80,14 +79,26 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tr
     current = {id(b): b for b in (*producers, *consumers)}
     for producer in producers:
         readers_of = {o.name: readers[o.name] for o in producer.flat_proxy_outs}
-        mine = sorted({id(c) for o in producer.flat_proxy_outs if o.name in saved_names for c in readers_of[o.name]
-                       if id(c) in at}, key=at.get)
+        mine = sorted(
+            {
+                id(c)
+                for o in producer.flat_proxy_outs
+                if o.name in saved_names
+                for c in readers_of[o.name]
+                if id(c) in at
+            },
+            key=at.get,
+        )
         kept: tuple = ()
         for c_id in mine:
             consumer = consumers[at[c_id]]
             p_now, c_now = current[id(producer)], current[c_id]
-            external = tuple(o for o in p_now.output if isinstance(o, TensorProxy)
-                             and (o.name in returned or any(r is not consumer for r in readers_of.get(o.name, ()))))
+            external = tuple(
+                o
+                for o in p_now.output
+                if isinstance(o, TensorProxy)
+                and (o.name in returned or any(r is not consumer for r in readers_of.get(o.name, ())))
+            )
             cut = remat.find_cut(external, p_now, c_now)
             if not cut:
                 continue
@@ -121,9 +132,12 @@ def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[Trac
             produced.setdefault(p.name, p)
     kept = [t.name for t in saved if t.name in read_in_bw]
     new = [n for n in produced if n in read_in_bw and n not in kept and isinstance(produced[n], TensorProxy)]
-    plan = recompute.SavePlan(saved=(*kept, *new), recompute=(),
-                              before_bytes=sum(nbytes(t) for t in saved),
-                              after_bytes=sum(nbytes(produced[n]) for n in (*kept, *new)))
+    plan = recompute.SavePlan(
+        saved=(*kept, *new),
+        recompute=(),
+        before_bytes=sum(nbytes(t) for t in saved),
+        after_bytes=sum(nbytes(produced[n]) for n in (*kept, *new)),
+    )
     fw_trace, bw_trace = _with(forward, new_fw), _with(backward, new_bw)
     new_forward, new_backward = recompute.apply_plan(fw_trace, bw_trace, plan)
     return new_forward, new_backward, plan.before_bytes - plan.after_bytes

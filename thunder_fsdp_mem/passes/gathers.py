@@ -30,7 +30,14 @@ from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance
 
 from thunder_fsdp_mem.analysis.symbols import (
-    ALL_GATHER, UNPACK_IDS, WAIT, def_use, is_del, nbytes, sym_id, without_dels,
+    ALL_GATHER,
+    UNPACK_IDS,
+    WAIT,
+    def_use,
+    is_del,
+    nbytes,
+    sym_id,
+    without_dels,
 )
 from thunder_fsdp_mem.passes import recompute
 from thunder_fsdp_mem.passes.driver import PassError
@@ -74,8 +81,10 @@ def match(bsyms: list) -> tuple[Gather, ...]:
     missing = sorted(set(issued) - set(waited))
     if missing:
         raise GatherError(f"the all-gather future {missing[0]} is never waited for")
-    return tuple(Gather(issued[f][0], waited[f][0], issued[f][1], waited[f][1])
-                 for f in sorted(issued, key=lambda f: issued[f][0]))
+    return tuple(
+        Gather(issued[f][0], waited[f][0], issued[f][1], waited[f][1])
+        for f in sorted(issued, key=lambda f: issued[f][0])
+    )
 
 
 def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: bool = False) -> TraceCtx:
@@ -108,8 +117,9 @@ def window(trace: TraceCtx, max_inflight: int, *, clear_mutable_collections: boo
         if i not in moved:
             out.append(b)
         out.extend(bsyms[k] for k in after.get(i, ()))
-    return rebuilt(trace, out, f"all-gathers in a window of {max_inflight}",
-                   clear_mutable_collections=clear_mutable_collections)
+    return rebuilt(
+        trace, out, f"all-gathers in a window of {max_inflight}", clear_mutable_collections=clear_mutable_collections
+    )
 
 
 def _sink_waits(bsyms: list, gathers: tuple[Gather, ...]) -> list:
@@ -146,9 +156,12 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     tensors = {p.name: p for b in bsyms for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
     before = sum(nbytes(tensors[n]) for n in saved if n not in inputs)
     after = sum(nbytes(tensors[n]) for n in new_saved if n not in inputs)
-    plan = recompute.SavePlan(saved=tuple(new_saved),
-                              recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
-                              before_bytes=before, after_bytes=after)
+    plan = recompute.SavePlan(
+        saved=tuple(new_saved),
+        recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
+        before_bytes=before,
+        after_bytes=after,
+    )
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
     new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: gathers {len(again)} parameters again in backward"))
     return new_forward, new_backward

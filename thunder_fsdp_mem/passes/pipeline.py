@@ -55,11 +55,11 @@ def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:
     if config.reorder:
         passes.append(Pass(ORDER, _reorder))
     if config.gathers:
-        passes.append(Pass(ALL_GATHERS, lambda pair, context: _gathers(pair, config.max_inflight_allgathers,
-                                                                       regather)))
+        passes.append(Pass(ALL_GATHERS, lambda pair, context: _gathers(pair, config.max_inflight_allgathers, regather)))
     if config.scatters:
-        passes.append(Pass(REDUCE_SCATTERS, lambda pair, context: _scatters(pair, context,
-                                                                            config.max_inflight_reduce_scatters)))
+        passes.append(
+            Pass(REDUCE_SCATTERS, lambda pair, context: _scatters(pair, context, config.max_inflight_reduce_scatters))
+        )
     return passes
 
 
@@ -72,8 +72,12 @@ def _fusions(pair: Pair, context: Context) -> Proposal:
     forward, backward, less = fusions.into_consumers(pair.forward, pair.backward)
     if forward is pair.forward:
         return Proposal(forward, backward)
-    return Proposal(forward, backward, forward_checks=Checks(ignore_saved=True),
-                    note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less")
+    return Proposal(
+        forward,
+        backward,
+        forward_checks=Checks(ignore_saved=True),
+        note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less",
+    )
 
 
 def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] = ()) -> Estimator:
@@ -87,8 +91,11 @@ def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] =
     held = anticipated_adamw(pair.forward, pair.backward) if adamw else ()
     step = anticipated_adamw_step(pair.forward, pair.backward, parameter_order) if adamw else None
     value = pair.forward.bound_symbols[-1].args[0]
-    outputs = [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)] \
-        if isinstance(value, dict) and "output" in value else []
+    outputs = (
+        [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)]
+        if isinstance(value, dict) and "output" in value
+        else []
+    )
     loss = config.budget_loss if len(outputs) == 1 and nbytes(outputs[0]) > outputs[0].dtype.bytes else None
     return functools.partial(estimate_traces, loss=loss, held=held, optimizer_step=step)
 
@@ -127,10 +134,18 @@ def _rematerialize(pair: Pair, context: Context, config: MemoryConfig) -> Propos
     if not plan.changes:
         return Proposal(forward, backward)
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
-    note = (f"saves {plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} "
-            f"symbols ({plan.traffic_bytes} bytes read and written)")
-    return Proposal(new_forward, new_backward, forward_checks=Checks(ignore_saved=True), note=note,
-                    recomputed=recompute.recomputed_groups(forward, plan), seconds=plan.seconds)
+    note = (
+        f"saves {plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} "
+        f"symbols ({plan.traffic_bytes} bytes read and written)"
+    )
+    return Proposal(
+        new_forward,
+        new_backward,
+        forward_checks=Checks(ignore_saved=True),
+        note=note,
+        recomputed=recompute.recomputed_groups(forward, plan),
+        seconds=plan.seconds,
+    )
 
 
 def _excess(config: MemoryConfig) -> tuple[Callable[[StepMemory], int], Callable[[StepMemory], int] | None]:
@@ -152,21 +167,30 @@ def _excess(config: MemoryConfig) -> tuple[Callable[[StepMemory], int], Callable
 
 
 def _wanted(config: MemoryConfig) -> str:
-    return ", ".join(f"{what} {format_bytes(n)}" for what, n in (("peak", config.memory_budget),
-                                                                ("saved", config.saved_budget),
-                                                                ("reserved under a cap of", config.memory_cap))
-                     if n is not None)
+    return ", ".join(
+        f"{what} {format_bytes(n)}"
+        for what, n in (
+            ("peak", config.memory_budget),
+            ("saved", config.saved_budget),
+            ("reserved under a cap of", config.memory_cap),
+        )
+        if n is not None
+    )
 
 
 def _unmet(config: MemoryConfig, e: StepMemory, short_of_the_cap: Callable[[StepMemory], int] | None) -> str:
     """The warning for budgets that cannot be met: the least peak reachable, ``e``, and what is alive there."""
     alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
-    warning = (f"could not meet the budget ({_wanted(config)}): the least reachable is a peak of "
-               f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
-               f"{format_bytes(e.saved_bytes)}; alive there: {alive}")
+    warning = (
+        f"could not meet the budget ({_wanted(config)}): the least reachable is a peak of "
+        f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
+        f"{format_bytes(e.saved_bytes)}; alive there: {alive}"
+    )
     if short_of_the_cap is not None and short_of_the_cap(e):
-        warning += (f"; the caching allocator's replay of that plan misses the cap by "
-                    f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)")
+        warning += (
+            f"; the caching allocator's replay of that plan misses the cap by "
+            f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)"
+        )
     return warning
 
 
@@ -174,24 +198,40 @@ def _fit_budget(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     """The least recomputation that fits ``config``'s budgets (``budget.fit``); the least peak reachable, with a
     warning that names it and what is alive there, where they cannot be met."""
     excess, short_of_the_cap = _excess(config)
-    found = budget.fit(pair.forward, pair.backward, excess=excess, judge=lambda f, b: context.estimator(f, b),
-                       recompute_weight=config.recompute_weight)
+    found = budget.fit(
+        pair.forward,
+        pair.backward,
+        excess=excess,
+        judge=lambda f, b: context.estimator(f, b),
+        recompute_weight=config.recompute_weight,
+    )
     e, plan = found.estimate, found.plan
     warning = None if found.reached else _unmet(config, e, short_of_the_cap)
     if found.forward is pair.forward:
         return Proposal(pair.forward, pair.backward, warning=warning)
     price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"
-    note = (f"budget {_wanted(config)}: {'met' if found.reached else 'not met'} at {price}; saves "
-            f"{plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an "
-            f"estimated {1e3 * plan.seconds:.1f} ms")
-    return Proposal(found.forward, found.backward, forward_checks=Checks(ignore_saved=True), note=note,
-                    estimate=found.estimate, recomputed=found.recomputed, seconds=plan.seconds, warning=warning,
-                    budgeted=config.saved_budget is not None)
+    note = (
+        f"budget {_wanted(config)}: {'met' if found.reached else 'not met'} at {price}; saves "
+        f"{plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an "
+        f"estimated {1e3 * plan.seconds:.1f} ms"
+    )
+    return Proposal(
+        found.forward,
+        found.backward,
+        forward_checks=Checks(ignore_saved=True),
+        note=note,
+        estimate=found.estimate,
+        recomputed=found.recomputed,
+        seconds=plan.seconds,
+        warning=warning,
+        budgeted=config.saved_budget is not None,
+    )
 
 
 def _reorder(pair: Pair, context: Context) -> Proposal:
-    forward, backward, estimate = reorder.reorder_pair(pair.forward, pair.backward, estimate=context.estimate(),
-                                                       estimator=context.estimator)
+    forward, backward, estimate = reorder.reorder_pair(
+        pair.forward, pair.backward, estimate=context.estimate(), estimator=context.estimator
+    )
     return Proposal(forward, backward, estimate=estimate)
 
 
@@ -205,8 +245,13 @@ def _gathers(pair: Pair, width: int, regather: bool) -> Proposal:
     new_forward = gathers.window(new_forward, width)
     new_backward = gathers.window(new_backward, width, clear_mutable_collections=True)
     note = f"window of {width}" + (f", {len(added)} gathered again in backward" if added else "")
-    return Proposal(new_forward, new_backward, forward_checks=Checks(ignore_saved=True, ordered=False),
-                    backward_checks=Checks(added=added), note=note)
+    return Proposal(
+        new_forward,
+        new_backward,
+        forward_checks=Checks(ignore_saved=True, ordered=False),
+        backward_checks=Checks(added=added),
+        note=note,
+    )
 
 
 def _scatters(pair: Pair, context: Context, width: int) -> Proposal:

@@ -52,10 +52,25 @@ from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
 from thunder_fsdp_mem.analysis.cost import (
-    ATTENTION, H200, MATMULS, DeviceRates, attention_options, op_seconds, op_traffic,
+    ATTENTION,
+    H200,
+    MATMULS,
+    DeviceRates,
+    attention_options,
+    op_seconds,
+    op_traffic,
 )
 from thunder_fsdp_mem.analysis.symbols import (
-    ELEMENTWISE_OPS, RESHAPE_OPS, UNPACK_IDS, VIEW_OPS, WAITS, def_use, is_copy_into, is_fusion, nbytes, sym_id,
+    ELEMENTWISE_OPS,
+    RESHAPE_OPS,
+    UNPACK_IDS,
+    VIEW_OPS,
+    WAITS,
+    def_use,
+    is_copy_into,
+    is_fusion,
+    nbytes,
+    sym_id,
     without_dels,
 )
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
@@ -67,10 +82,25 @@ RECOMPUTABLE_OPS = (
     ELEMENTWISE_OPS
     | (VIEW_OPS - WAITS)
     | RESHAPE_OPS
-    | frozenset({
-        "convert_element_type", "broadcast_in_dim", "cat", "torch_pad_prim_impl", "pad", "arange", "full",
-        "sum", "var_mean", "mean", "var", "amax", "amin", "prod", "contiguous",
-    })
+    | frozenset(
+        {
+            "convert_element_type",
+            "broadcast_in_dim",
+            "cat",
+            "torch_pad_prim_impl",
+            "pad",
+            "arange",
+            "full",
+            "sum",
+            "var_mean",
+            "mean",
+            "var",
+            "amax",
+            "amin",
+            "prod",
+            "contiguous",
+        }
+    )
 )
 
 # Deterministic too, but dear: recomputed only at a price (a memory budget).
@@ -108,8 +138,12 @@ class PlanError(PassError):
 def saved_tensors(forward: TraceCtx) -> tuple[TensorProxy, ...]:
     """The tensors an augmented forward returns for backward."""
     ret = forward.bound_symbols[-1]
-    if ret.sym.id != PrimIDs.RETURN or len(ret.args) != 2 or not isinstance(ret.args[1], tuple | list) \
-            or len(ret.args[1]) != 2:
+    if (
+        ret.sym.id != PrimIDs.RETURN
+        or len(ret.args) != 2
+        or not isinstance(ret.args[1], tuple | list)
+        or len(ret.args[1]) != 2
+    ):
         raise PlanError("the forward trace does not end in return(outputs, (saved tensors, saved others))")
     return tuple(ret.args[1][0])
 
@@ -138,8 +172,15 @@ def priced(bsym) -> bool:
     return sid in PRICED_OPS
 
 
-def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float | None = None,
-               rates: DeviceRates = H200, segments: bool = False, only: frozenset[int] | None = None) -> SavePlan:
+def plan_saved(
+    forward: TraceCtx,
+    *,
+    recompute_weight: float = 0.0,
+    price: float | None = None,
+    rates: DeviceRates = H200,
+    segments: bool = False,
+    only: frozenset[int] | None = None,
+) -> SavePlan:
     """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
     bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes, and, with a ``price``,
     plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``. ``segments``: no
@@ -154,8 +195,9 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
     can = [False] * len(bsyms)  # recomputable(bsyms[i]), or priced at a price, decided once
     dear = [False] * len(bsyms)  # recomputed at the price
     for i, bsym in enumerate(bsyms):
-        tensors.update((p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs)
-                       if isinstance(p, TensorProxy))
+        tensors.update(
+            (p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs) if isinstance(p, TensorProxy)
+        )
         sid = bsym.sym.id
         if sid in UNPACK_IDS:
             inputs.update(o.name for o in bsym.flat_proxy_outs)
@@ -179,8 +221,9 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
     for name, t in tensors.items():
         free = name in inputs
         # Doubled sizes, less one for what is saved today: ties keep today's choice.
-        graph.add_edge((name, "in"), (name, "out"),
-                       capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0))
+        graph.add_edge(
+            (name, "in"), (name, "out"), capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0)
+        )
         if free or name not in producer or not can[producer[name]]:
             graph.add_edge(_SOURCE, (name, "in"))
     for i, bsym in enumerate(bsyms):
@@ -213,8 +256,14 @@ def plan_saved(forward: TraceCtx, *, recompute_weight: float = 0.0, price: float
     after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
     traffic = sum(op_traffic(bsyms[i]) for i in recompute)
     seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
-    return SavePlan(saved=tuple(kept), recompute=tuple(sorted(recompute)), before_bytes=today, after_bytes=after,
-                    traffic_bytes=traffic, seconds=seconds)
+    return SavePlan(
+        saved=tuple(kept),
+        recompute=tuple(sorted(recompute)),
+        before_bytes=today,
+        after_bytes=after,
+        traffic_bytes=traffic,
+        seconds=seconds,
+    )
 
 
 def _recomputed(bsyms, required: set[str], chosen: set[str], producer: dict[str, int], can: list[bool]) -> set[int]:
@@ -235,8 +284,9 @@ def _recomputed(bsyms, required: set[str], chosen: set[str], producer: dict[str,
     return recompute
 
 
-def _segment_inputs(bsyms, recompute: set[int], chosen: set[str], producer: dict[str, int], dear: list[bool],
-                    inputs: set[str]) -> set[str]:
+def _segment_inputs(
+    bsyms, recompute: set[int], chosen: set[str], producer: dict[str, int], dear: list[bool], inputs: set[str]
+) -> set[str]:
     """The arguments of recomputed expensive symbols that would themselves be rebuilt from another recomputed
     expensive symbol: saved instead, each expensive symbol then recomputed from saved tensors and cheap ops alone
     (as activation checkpointing recomputes a block from its saved input), just before the backward needs it."""
@@ -283,8 +333,9 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     new_forward = from_trace(forward)
     new_forward.bound_symbols = [*fw_bsyms[:-1], ret.from_bsym(args=(outputs, (new_saved, others)))]
     new_forward = dels_at_last_use(new_forward)
-    new_forward.set_provenance(TraceProvenance(
-        f"{PROVENANCE}: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}"))
+    new_forward.set_provenance(
+        TraceProvenance(f"{PROVENANCE}: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}")
+    )
 
     bw = without_dels(backward.bound_symbols)
     unpack_at = _receive(bw, new_saved)
@@ -363,8 +414,11 @@ def _clone(bsym, defined: set[str], trace: TraceCtx):
             return p.replace_name(p.name, disambiguate=True)
         return p
 
-    clone = bsym.from_bsym(output=tree_map(fresh, bsym.output)) if any(
-        p.name in defined for p in bsym.flat_proxy_outs) else bsym.from_bsym()
+    clone = (
+        bsym.from_bsym(output=tree_map(fresh, bsym.output))
+        if any(p.name in defined for p in bsym.flat_proxy_outs)
+        else bsym.from_bsym()
+    )
     defined.update(p.name for p in clone.flat_proxy_outs)
     return clone
 
@@ -387,8 +441,12 @@ def _drop_repeats(bsyms: list) -> list:
     for b in bsyms:
         if swapped and any(a.name in swapped for a in b.flat_proxy_args):
             b = b.from_bsym_swap_proxies(swap, skip_output=True)
-        if not is_fusion(b) and b.flat_proxy_outs and recomputable(b) \
-                and not any(a.name in written for a in b.flat_proxy_args):
+        if (
+            not is_fusion(b)
+            and b.flat_proxy_outs
+            and recomputable(b)
+            and not any(a.name in written for a in b.flat_proxy_args)
+        ):
             rhs = b.rhs
             key = (rhs.sym, rhs.args, rhs.kwargs, b.sym.executor)
             earlier = first.get(key)

@@ -31,8 +31,20 @@ from thunder.core.trace import TraceCtx
 
 from thunder_fsdp_mem.analysis.step import Stage, StepMemory, estimate_traces
 from thunder_fsdp_mem.analysis.symbols import (
-    COLLECTIVES, KNOWN_EXECUTORS, RESHAPE_OPS, UNPACK_IDS, VIEW_OPS, WAITS, def_use, is_copy_into, is_fusion,
-    nbytes, sym_id, tensor_args, tensor_outputs, without_dels,
+    COLLECTIVES,
+    KNOWN_EXECUTORS,
+    RESHAPE_OPS,
+    UNPACK_IDS,
+    VIEW_OPS,
+    WAITS,
+    def_use,
+    is_copy_into,
+    is_fusion,
+    nbytes,
+    sym_id,
+    tensor_args,
+    tensor_outputs,
+    without_dels,
 )
 from thunder_fsdp_mem.passes.edit import rebuilt
 
@@ -42,8 +54,9 @@ ORDERS = ("frees-first", "depth-first", "as-late-as-possible")
 AS_GIVEN = "as given"
 
 
-def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutable_collections: bool = False,
-            current=None) -> tuple[TraceCtx, str]:
+def reorder(
+    trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutable_collections: bool = False, current=None
+) -> tuple[TraceCtx, str]:
     """The lowest-peak order of ``trace`` by ``judge``, and the name of the order that won (``"as given"`` when
     none beats the trace's own). ``current``: ``judge(trace)``, when the caller has it."""
     bsyms = without_dels(trace.bound_symbols)
@@ -56,8 +69,12 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
     best, won = trace, AS_GIVEN
     for name in ORDERS:
         order = _schedule(body, preds, name)
-        candidate = rebuilt(trace, [*head, *(body[i] for i in order), bsyms[-1]], f"reordered ({name})",
-                            clear_mutable_collections=clear_mutable_collections)
+        candidate = rebuilt(
+            trace,
+            [*head, *(body[i] for i in order), bsyms[-1]],
+            f"reordered ({name})",
+            clear_mutable_collections=clear_mutable_collections,
+        )
         if candidate is trace:
             log.info("reorder: %s is the trace's own order", name)
             continue
@@ -68,8 +85,9 @@ def reorder(trace: TraceCtx, judge: Callable[[TraceCtx], object], *, clear_mutab
     return best, won
 
 
-def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory | None = None,
-                 estimator=estimate_traces) -> tuple[TraceCtx, TraceCtx, StepMemory]:
+def reorder_pair(
+    forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory | None = None, estimator=estimate_traces
+) -> tuple[TraceCtx, TraceCtx, StepMemory]:
     """A forward and its backward with the trace that holds the step's peak (by ``estimator``, the step's
     estimate: ``step.estimate_traces``) in its best order: the step's peak first, then that trace's own. The other
     trace cannot lower the step's peak, so it is left as it is (ordering it would cost time and win nothing). Also
@@ -79,6 +97,7 @@ def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory 
     # The backward's phase does not depend on the forward's order (it receives the same saved tensors), nor the
     # forward's phase on the backward's: a candidate needs only its own trace analysed.
     if base.peak_stage is Stage.FORWARD:
+
         def judge_forward(trace):
             own = estimator(trace)  # the forward's phases: the forward, and the loss where one is counted
             return max(own.peak_bytes, base.backward_peak_bytes), own.forward_peak_bytes
@@ -88,12 +107,17 @@ def reorder_pair(forward: TraceCtx, backward: TraceCtx, *, estimate: StepMemory 
             return forward, backward, base
         return new_forward, backward, estimator(new_forward, backward)
     if base.peak_stage is Stage.BACKWARD:
+
         def judge_backward(trace):
             step = judged[id(trace)] = estimator(forward, trace, reuse=base)
             return step.peak_bytes, step.backward_peak_bytes
 
-        new_backward, _ = reorder(backward, judge_backward, clear_mutable_collections=True,
-                                  current=(base.peak_bytes, base.backward_peak_bytes))
+        new_backward, _ = reorder(
+            backward,
+            judge_backward,
+            clear_mutable_collections=True,
+            current=(base.peak_bytes, base.backward_peak_bytes),
+        )
         return forward, new_backward, judged.get(id(new_backward), base)
     return forward, backward, base
 
@@ -168,8 +192,9 @@ def _schedule(body: list, preds: list[set[int]], name: str) -> list[int]:
     return _list_schedule(preds, succs, key=frees_first, placed=read)
 
 
-def _list_schedule(preds: list, succs: list, *, key: Callable[[int], tuple],
-                   placed: Callable[[int], None] = lambda i: None) -> list[int]:
+def _list_schedule(
+    preds: list, succs: list, *, key: Callable[[int], tuple], placed: Callable[[int], None] = lambda i: None
+) -> list[int]:
     """Kahn's topological sort: of the symbols whose ``preds`` are all placed, the one with the least ``key``
     (taken when it became ready) goes next; ``placed(i)`` is told of each symbol placed."""
     waiting = [len(ps) for ps in preds]

@@ -24,7 +24,15 @@ from dataclasses import dataclass
 from thunder.core.trace import TraceCtx
 
 from thunder_fsdp_mem.analysis.symbols import (
-    REDUCE_SCATTER, WAITS, DefUse, def_use, nbytes, sym_id, tensor_args, tensor_outputs, without_dels,
+    REDUCE_SCATTER,
+    WAITS,
+    DefUse,
+    def_use,
+    nbytes,
+    sym_id,
+    tensor_args,
+    tensor_outputs,
+    without_dels,
 )
 from thunder_fsdp_mem.passes import recompute
 from thunder_fsdp_mem.passes.driver import PassError
@@ -78,8 +86,7 @@ def _preparing(bsyms: list, scatter: int, index: DefUse) -> tuple[int, ...]:
     return tuple(sorted(chain))
 
 
-def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_collections: bool = False
-             ) -> TraceCtx:
+def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_collections: bool = False) -> TraceCtx:
     """``trace`` with its reduce-scatters issued early and waited for in a window (see the module's docstring).
     ``room``: for each bound symbol of ``trace``, the bytes the step may still allocate from there on without
     raising its peak; a reduce-scatter whose output and input do not fit where its gradient is complete is
@@ -97,8 +104,15 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
     ready_at = {}
     for s in found:
         group = {*s.prepare, s.scatter}
-        ready_at[s] = max((producer[a.name] for i in group for a in bsyms[i].flat_proxy_args
-                           if a.name in producer and producer[a.name] not in group), default=-1)
+        ready_at[s] = max(
+            (
+                producer[a.name]
+                for i in group
+                for a in bsyms[i].flat_proxy_args
+                if a.name in producer and producer[a.name] not in group
+            ),
+            default=-1,
+        )
     after: dict[int, list[Scatter]] = defaultdict(list)
     in_place: dict[int, Scatter] = {}  # reduce-scatters left where they are, by index
     in_flight: list[int] = []  # the costs of the reduce-scatters issued early
@@ -106,7 +120,7 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
         ready = ready_at[s]
         held = [tensor_args(bsyms[s.scatter])[0], *tensor_outputs(bsyms[s.scatter])]
         cost = sum(nbytes(t) for t in held)
-        others = sum(in_flight[max(0, len(in_flight) - max_inflight + 1):])
+        others = sum(in_flight[max(0, len(in_flight) - max_inflight + 1) :])
         if room is None or ready < 0 or cost + others <= room[position[id(bsyms[ready])]]:
             after[ready].append(s)
             in_flight.append(cost)
@@ -142,5 +156,9 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
             out.append(b)
         for s in after.get(i, ()):
             issue(s, group=True)
-    return rebuilt(trace, out, f"reduce-scatters issued when their gradient is complete, {max_inflight} in flight",
-                   clear_mutable_collections=clear_mutable_collections)
+    return rebuilt(
+        trace,
+        out,
+        f"reduce-scatters issued when their gradient is complete, {max_inflight} in flight",
+        clear_mutable_collections=clear_mutable_collections,
+    )

@@ -86,7 +86,7 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
                 continue
             pos = start + min(size - 1, s.index * size // len(run.symbols))
             since = points[-1][0] + 1 if points else 0
-            points.append((pos, max(s.peak_bytes, pending), max(predicted[since:pos + 1], default=0)))
+            points.append((pos, max(s.peak_bytes, pending), max(predicted[since : pos + 1], default=0)))
             kinds.append(run.kind)
             where.append(f"{step.phases[phase_index].name}, symbol {s.index} ({run.symbols[s.index]})")
             pending = 0
@@ -104,15 +104,28 @@ def compare(step: StepMemory, measurements: list[Measurement]) -> Comparison:
         return max((pt[2] for pt in chosen), default=0), max((pt[1] for pt in chosen), default=0)
 
     return Comparison(
-        predicted_peak_bytes=step.training_peak_bytes, predicted_step_peak_bytes=step.peak_bytes,
-        measured_peak_bytes=measured.peak_bytes, rank=measured.rank,
+        predicted_peak_bytes=step.training_peak_bytes,
+        predicted_step_peak_bytes=step.peak_bytes,
+        measured_peak_bytes=measured.peak_bytes,
+        rank=measured.rank,
         ranks_peak_bytes=tuple(m.peak_bytes for m in sorted(measurements, key=lambda m: m.rank)),
-        device_type=measured.device_type, trainer=measured.trainer, measured_at_predicted_peak=at_peak,
-        measured_peak_where=where_peak, step_peak_bytes=measured.step_peak_bytes,
-        stages=(("forward", *stage(Stage.FORWARD)), ("backward (the loss included)", *stage(Stage.BACKWARD)),
-                ("forward and backward", step.training_peak_bytes, measured.peak_bytes),
-                *([("the optimizer step", step.optimizer_peak_bytes, measured.optimizer_peak_bytes)]
-                  if step.optimizer_peak_bytes else []),
-                ("the whole step, the optimizer step included", step.peak_bytes, measured.step_peak_bytes)),
-        points=tuple(points), paired=paired, unpaired=(unpaired_runs, len(traced) - paired),
+        device_type=measured.device_type,
+        trainer=measured.trainer,
+        measured_at_predicted_peak=at_peak,
+        measured_peak_where=where_peak,
+        step_peak_bytes=measured.step_peak_bytes,
+        stages=(
+            ("forward", *stage(Stage.FORWARD)),
+            ("backward (the loss included)", *stage(Stage.BACKWARD)),
+            ("forward and backward", step.training_peak_bytes, measured.peak_bytes),
+            *(
+                [("the optimizer step", step.optimizer_peak_bytes, measured.optimizer_peak_bytes)]
+                if step.optimizer_peak_bytes
+                else []
+            ),
+            ("the whole step, the optimizer step included", step.peak_bytes, measured.step_peak_bytes),
+        ),
+        points=tuple(points),
+        paired=paired,
+        unpaired=(unpaired_runs, len(traced) - paired),
     )

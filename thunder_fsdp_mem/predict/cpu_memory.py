@@ -173,7 +173,7 @@ def _events(profile) -> list[tuple[int, int, str | None]]:
                 raw.append([event.start_time_ns, fields.alloc_size, fields.ptr, inside, None])
                 owners.append(owner)
         elif event.name.startswith(_PREFIX):
-            raw.append([event.start_time_ns, 0, 0, False, event.name[len(_PREFIX):]])
+            raw.append([event.start_time_ns, 0, 0, False, event.name[len(_PREFIX) :]])
             owners.append(None)
     order = sorted(range(len(raw)), key=lambda i: raw[i][0])
     made: dict[tuple[int, int], int] = {}  # (matmul, address) -> the allocation made there, not yet freed

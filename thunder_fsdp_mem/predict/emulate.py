@@ -32,9 +32,18 @@ MODES = ("fsdp2", "thunder-fsdp", "jit")
 SHARDS = runtime.SHARDS
 
 
-def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None = None, world_size: int = 1,
-               device_type: str = "cuda", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-               executors: str = "default+cat", transform: FSDPMemoryTransform | None = None) -> StepMemory:
+def trace_step(
+    spec: models.ModelSpec,
+    *,
+    mode: str = "jit",
+    shard: str | None = None,
+    world_size: int = 1,
+    device_type: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    micro_batch_size: int = 1,
+    executors: str = "default+cat",
+    transform: FSDPMemoryTransform | None = None,
+) -> StepMemory:
     """The estimated memory of one step (``StepMemory``) of ``spec`` on ``world_size`` ranks of ``device_type``,
     traced on the meta device. ``mode``: ``jit`` (one process), ``thunder-fsdp`` (Thunder's fsdp) or ``fsdp2``
     (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
@@ -47,8 +56,16 @@ def trace_step(spec: models.ModelSpec, *, mode: str = "jit", shard: str | None =
     if mode != "jit" and shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
     if mode == "fsdp2":
-        return fsdp2.compose_step(spec, world_size=world_size, shard=shard, device_type=device_type, dtype=dtype,
-                                  micro_batch_size=micro_batch_size, executors=executors, transform=transform)
+        return fsdp2.compose_step(
+            spec,
+            world_size=world_size,
+            shard=shard,
+            device_type=device_type,
+            dtype=dtype,
+            micro_batch_size=micro_batch_size,
+            executors=executors,
+            transform=transform,
+        )
     transforms = [transform] if transform is not None else []  # fresh: thunder.jit keeps the list
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()
     chosen = runtime.executors(executors)
@@ -78,4 +95,3 @@ def plan_step(spec: models.ModelSpec, config: MemoryConfig, **options) -> tuple[
         return step, transform
     transform = FSDPMemoryTransform(config)
     return trace_step(spec, transform=transform, **options), transform
-

@@ -74,8 +74,16 @@ def sequence_lengths(longest: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def fit_step(spec: models.ModelSpec, capacity: int, *, config: MemoryConfig | None = None, longest: int,
-             micro_batch_size: int = 1, on_trace: Callable[[], None] = lambda: None, **options) -> StepFit:
+def fit_step(
+    spec: models.ModelSpec,
+    capacity: int,
+    *,
+    config: MemoryConfig | None = None,
+    longest: int,
+    micro_batch_size: int = 1,
+    on_trace: Callable[[], None] = lambda: None,
+    **options,
+) -> StepFit:
     """See the module's docstring. ``longest``: the longest sequence length tried; ``options``: ``trace_step``'s
     (mode, shard, world size, device type, dtype, executors); ``on_trace``: called after each traced candidate."""
     if config is not None:

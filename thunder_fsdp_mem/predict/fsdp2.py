@@ -54,8 +54,17 @@ from litgpt.model import Block
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
 from thunder_fsdp_mem.analysis.step import (
-    Holder, Holdings, Key, Role, Stage, StepMemory, adam_state, adam_step_allocation, held_allocation,
-    loss_allocations, step_memory,
+    Holder,
+    Holdings,
+    Key,
+    Role,
+    Stage,
+    StepMemory,
+    adam_state,
+    adam_step_allocation,
+    held_allocation,
+    loss_allocations,
+    step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
@@ -68,9 +77,17 @@ from thunder_fsdp_mem.transform import FSDPMemoryTransform
 UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
 
 
-def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_type: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1, executors="default+cat",
-                 transform: FSDPMemoryTransform | None = None) -> StepMemory:
+def compose_step(
+    spec: models.ModelSpec,
+    *,
+    world_size: int,
+    shard: str,
+    device_type: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    micro_batch_size: int = 1,
+    executors="default+cat",
+    transform: FSDPMemoryTransform | None = None,
+) -> StepMemory:
     """The estimated memory per rank of one step of ``spec`` under FSDP2 and ThunderFX on ``world_size`` ranks of
     ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice, or Thunder's
     executors as a list; ``transform``: the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
@@ -93,8 +110,9 @@ def compose_step(spec: models.ModelSpec, *, world_size: int, shard: str, device_
         return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type).run()
 
 
-def fit_budget(spec: models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3,
-               **options) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
+def fit_budget(
+    spec: models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3, **options
+) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
     """``config.memory_budget``, a per-rank budget for the whole step, turned into what each block may save: FSDP2
     compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved
     tensors are alive (the loss, the first blocks' backward), so each block saves its share of the excess less
@@ -124,8 +142,11 @@ def fit_budget(spec: models.ModelSpec, config: MemoryConfig, *, world_size: int,
 def _block_saved(step: StepMemory) -> int:
     """What one block's forward saves for backward beyond its inputs (``step.forward`` is the block's)."""
     f = step.forward
-    return sum(f.allocations[i].nbytes for i in set(f.outputs.values())
-               if f.allocations[i].category is Category.SAVED and not f.allocations[i].external)
+    return sum(
+        f.allocations[i].nbytes
+        for i in set(f.outputs.values())
+        if f.allocations[i].category is Category.SAVED and not f.allocations[i].external
+    )
 
 
 def unsupported(config) -> list[str]:
@@ -193,12 +214,15 @@ class _Held(Enum):
     INCOMING_GRADIENT = "the gradient of a unit's output"
 
 
-_MODEL, _CALLER, _FSDP2, _AUTOGRAD = (Holder(Role.MODEL), Holder(Role.CALLER), Holder(Role.COMMUNICATION),
-                                      Holder(Role.AUTOGRAD))
+_MODEL, _CALLER, _FSDP2, _AUTOGRAD = (
+    Holder(Role.MODEL),
+    Holder(Role.CALLER),
+    Holder(Role.COMMUNICATION),
+    Holder(Role.AUTOGRAD),
+)
 
 
-def _record(name: str, nbytes: int, category: Category, shape=(), dtype: str = "",
-            symbol: str = "FSDP2") -> Allocation:
+def _record(name: str, nbytes: int, category: Category, shape=(), dtype: str = "", symbol: str = "FSDP2") -> Allocation:
     return held_allocation(name, nbytes, category, shape=shape, dtype=dtype, symbol=symbol)
 
 
@@ -212,10 +236,12 @@ class _Composer:
     def __init__(self, gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets, device_type: str):
         self.gpt, self.zero3, self.blocks, self.device_type = gpt, zero3, blocks, device_type
         t = gpt.transformer
-        self.units = [_unit("wte", "transformer.wte", t.wte, world_size),
-                      *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
-                      _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
-                      _unit("lm_head", "lm_head", gpt.lm_head, world_size)]
+        self.units = [
+            _unit("wte", "transformer.wte", t.wte, world_size),
+            *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
+            _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
+            _unit("lm_head", "lm_head", gpt.lm_head, world_size),
+        ]
         self.idx, self.targets = idx, targets
         self.ledger = Holdings()
         self.prefetched: set[str] = set()
@@ -250,10 +276,15 @@ class _Composer:
             self.ledger.release(Key(_Held.REDUCE_SCATTER, self.scattering), _FSDP2)
         self._optimizer_step()
         ledger = self.ledger
-        return step_memory(ledger.phases, forward=self.blocks.forward, backward=self.blocks.backward,
-                           persistent_bytes=ledger.bytes(_Held.SHARD, _Held.BUFFER, _Held.INPUT),
-                           saved_bytes=saved_bytes, gradient_bytes=ledger.bytes(_Held.GRADIENT),
-                           optimizer_state_bytes=ledger.bytes(_Held.ADAM))
+        return step_memory(
+            ledger.phases,
+            forward=self.blocks.forward,
+            backward=self.blocks.backward,
+            persistent_bytes=ledger.bytes(_Held.SHARD, _Held.BUFFER, _Held.INPUT),
+            saved_bytes=saved_bytes,
+            gradient_bytes=ledger.bytes(_Held.GRADIENT),
+            optimizer_state_bytes=ledger.bytes(_Held.ADAM),
+        )
 
     def _optimizer_step(self) -> None:
         """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
@@ -268,11 +299,21 @@ class _Composer:
         ledger = self.ledger
         for unit in self.units:
             for pname, shard in unit.shards.items():
-                ledger.hold(Key(_Held.SHARD, unit.name, pname),
-                            _record(f"{unit.path}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape,
-                                    shard.dtype), _MODEL)
-                for j, state in enumerate(adam_state("AdamW", f"{unit.path}.{pname}", shard.nbytes, shard.shape,
-                                                     shard.dtype, device_type=self.device_type)):
+                ledger.hold(
+                    Key(_Held.SHARD, unit.name, pname),
+                    _record(f"{unit.path}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape, shard.dtype),
+                    _MODEL,
+                )
+                for j, state in enumerate(
+                    adam_state(
+                        "AdamW",
+                        f"{unit.path}.{pname}",
+                        shard.nbytes,
+                        shard.shape,
+                        shard.dtype,
+                        device_type=self.device_type,
+                    )
+                ):
                     ledger.hold(Key(_Held.ADAM, unit.name, (pname, j)), state, Holder(Role.OPTIMIZER))
         for name, buf in self.gpt.named_buffers():
             ledger.hold(Key(_Held.BUFFER, item=name), _tensor_record(name, buf, Category.PARAMETER, "buffer"), _MODEL)
@@ -281,8 +322,9 @@ class _Composer:
 
     # FSDP2 --------------------------------------------------------------------------------------------------
     def _all_gather_buffer(self, unit: _Unit) -> Allocation:
-        return _record(f"all-gather buffer of {unit.name}", unit.gathered_bytes, Category.COMM_BUFFER,
-                       symbol="FSDP2 all-gather")
+        return _record(
+            f"all-gather buffer of {unit.name}", unit.gathered_bytes, Category.COMM_BUFFER, symbol="FSDP2 all-gather"
+        )
 
     def _gather(self, unit: _Unit, *, forward: bool) -> None:
         """Unshard ``unit``: its all-gather buffer, then the copy-out into its unsharded parameters."""
@@ -293,10 +335,18 @@ class _Composer:
             ledger.hold(Key(_Held.ALL_GATHER, unit.name), self._all_gather_buffer(unit), _FSDP2)
         self.prefetched.discard(unit.name)
         for pname, shard in unit.shards.items():
-            ledger.hold(Key(_Held.GATHERED, unit.name, pname),
-                        _record(f"{unit.path}.{pname} (gathered)", shard.nbytes * unit.world_size,
-                                Category.GATHERED_PARAMETER, (shard.shape[0] * unit.world_size, *shard.shape[1:]),
-                                shard.dtype, "FSDP2 all-gather"), _FSDP2)
+            ledger.hold(
+                Key(_Held.GATHERED, unit.name, pname),
+                _record(
+                    f"{unit.path}.{pname} (gathered)",
+                    shard.nbytes * unit.world_size,
+                    Category.GATHERED_PARAMETER,
+                    (shard.shape[0] * unit.world_size, *shard.shape[1:]),
+                    shard.dtype,
+                    "FSDP2 all-gather",
+                ),
+                _FSDP2,
+            )
         stage = Stage.FORWARD if forward else Stage.BACKWARD
         ledger.phase(stage, f"{stage.value}: copy-out of {unit.name}", symbol="FSDP2 copy-out")
         if forward:
@@ -325,12 +375,24 @@ class _Composer:
             return
         if self.scattering is not None:
             ledger.release(Key(_Held.REDUCE_SCATTER, self.scattering), _FSDP2)
-        ledger.hold(Key(_Held.REDUCE_SCATTER, unit.name),
-                    _record(f"reduce-scatter input of {unit.name}", unit.gathered_bytes, Category.COMM_BUFFER,
-                            symbol="FSDP2 reduce-scatter"), _FSDP2)
+        ledger.hold(
+            Key(_Held.REDUCE_SCATTER, unit.name),
+            _record(
+                f"reduce-scatter input of {unit.name}",
+                unit.gathered_bytes,
+                Category.COMM_BUFFER,
+                symbol="FSDP2 reduce-scatter",
+            ),
+            _FSDP2,
+        )
         self.scattering = unit.name
-        ledger.hold(Key(_Held.GRADIENT, unit.name), _record(f"gradients of {unit.name} (shard)", unit.shard_bytes,
-                                                            Category.GRADIENT, symbol="FSDP2 reduce-scatter"), _MODEL)
+        ledger.hold(
+            Key(_Held.GRADIENT, unit.name),
+            _record(
+                f"gradients of {unit.name} (shard)", unit.shard_bytes, Category.GRADIENT, symbol="FSDP2 reduce-scatter"
+            ),
+            _MODEL,
+        )
         ledger.phase(Stage.BACKWARD, f"backward: reduce-scatter of {unit.name}", symbol="FSDP2 reduce-scatter")
         for key in ledger.keys(_Held.UNSHARDED_GRADIENT, unit.name):
             ledger.release(key, _AUTOGRAD)
@@ -359,8 +421,11 @@ class _Composer:
             if storage == x.untyped_storage()._cdata:
                 ledger.hold(x_key, ledger[x_key], holder)
             elif storage not in params and storage != out.untyped_storage()._cdata:
-                ledger.hold(Key(_Held.SAVED, unit.name, j),
-                            _tensor_record(f"saved by {unit.name}", t, Category.SAVED, f"{kind} (eager)"), holder)
+                ledger.hold(
+                    Key(_Held.SAVED, unit.name, j),
+                    _tensor_record(f"saved by {unit.name}", t, Category.SAVED, f"{kind} (eager)"),
+                    holder,
+                )
         self._forward_done(unit, x_key if x.is_floating_point() else None)
         return out, out_key
 
@@ -372,8 +437,11 @@ class _Composer:
         outputs = blocks.forward.outputs
         output = outputs[blocks.output]
         out_key = Key(_Held.ACTIVATION, unit.name, output)
-        ledger.hold(out_key, _renamed(blocks.forward.allocations[output], f"output of {unit.name}",
-                                      Category.TEMPORARY, unit.path), _CALLER)
+        ledger.hold(
+            out_key,
+            _renamed(blocks.forward.allocations[output], f"output of {unit.name}", Category.TEMPORARY, unit.path),
+            _CALLER,
+        )
         for name in blocks.saved:
             i = outputs[name]
             a = blocks.forward.allocations[i]
@@ -413,12 +481,23 @@ class _Composer:
         """An eager unit's backward: a gradient for its float input and each parameter, made while the incoming
         gradient and what it saved are alive."""
         kind = f"{type(unit.module).__name__} backward"
-        params = [_record(f"gradient of {unit.name}.{n}", p.numel() * p.element_size(), Category.GRADIENT,
-                          tuple(p.shape), dtype_name(p), kind)
-                  for n, p in unit.module.named_parameters()]
+        params = [
+            _record(
+                f"gradient of {unit.name}.{n}",
+                p.numel() * p.element_size(),
+                Category.GRADIENT,
+                tuple(p.shape),
+                dtype_name(p),
+                kind,
+            )
+            for n, p in unit.module.named_parameters()
+        ]
         x = self.inputs.get(unit.name)
-        inputs = [] if x is None else [_record(f"gradient of {unit.name}'s input", x.nbytes, Category.TEMPORARY,
-                                               x.shape, x.dtype, kind)]
+        inputs = (
+            []
+            if x is None
+            else [_record(f"gradient of {unit.name}'s input", x.nbytes, Category.TEMPORARY, x.shape, x.dtype, kind)]
+        )
         self.ledger.phase(Stage.BACKWARD, f"backward: {unit.name}", extra=(*params, *inputs), symbol=kind)
         self._backward_done(unit, self.ledger.held_by(Role.SAVED, unit.name))
         self._hold_gradients(unit, params, inputs)
@@ -434,18 +513,31 @@ class _Composer:
         i = self.units.index(unit)
         if inputs and i > 0:
             before = self.units[i - 1].name
-            self.ledger.hold(Key(_Held.INCOMING_GRADIENT, before),
-                             _renamed(inputs[0], f"gradient of {before}'s output", Category.TEMPORARY), _AUTOGRAD)
+            self.ledger.hold(
+                Key(_Held.INCOMING_GRADIENT, before),
+                _renamed(inputs[0], f"gradient of {before}'s output", Category.TEMPORARY),
+                _AUTOGRAD,
+            )
         for j, a in enumerate(params):
-            self.ledger.hold(Key(_Held.UNSHARDED_GRADIENT, unit.name, j), _renamed(a, a.name, Category.GRADIENT),
-                             _AUTOGRAD)
+            self.ledger.hold(
+                Key(_Held.UNSHARDED_GRADIENT, unit.name, j), _renamed(a, a.name, Category.GRADIENT), _AUTOGRAD
+            )
 
 
 def _renamed(a: Allocation, name: str, category: Category, path: str | None = None) -> Allocation:
     """A trace's allocation as the ledger holds it once its trace is done: outside the traces, never freed by one;
     its module placed in the model (``path``: the unit's, for the block graph's module names)."""
+
     def placed(module: str | None) -> str | None:
         return f"{path}.{module}" if path is not None and module is not None else module
 
-    return dataclasses.replace(a, name=name, category=category, start=OUTSIDE, end=None, external=True,
-                               module=placed(a.module), after=placed(a.after))
+    return dataclasses.replace(
+        a,
+        name=name,
+        category=category,
+        start=OUTSIDE,
+        end=None,
+        external=True,
+        module=placed(a.module),
+        after=placed(a.after),
+    )

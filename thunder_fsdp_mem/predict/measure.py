@@ -33,9 +33,12 @@ from thunder_fsdp_mem.training import models, modes, runtime
 WARMUP = 2
 # The report's mode, with or without FSDPMemoryTransform -> the set-up ``modes.build`` makes.
 TRAINERS = {
-    ("fsdp2", False): "fsdp2-thunder", ("fsdp2", True): "fsdp2-thunder+mem",
-    ("thunder-fsdp", False): "thunder-fsdp", ("thunder-fsdp", True): "thunder-fsdp+mem",
-    ("jit", False): "thunder", ("jit", True): "thunder+mem",
+    ("fsdp2", False): "fsdp2-thunder",
+    ("fsdp2", True): "fsdp2-thunder+mem",
+    ("thunder-fsdp", False): "thunder-fsdp",
+    ("thunder-fsdp", True): "thunder-fsdp+mem",
+    ("jit", False): "thunder",
+    ("jit", True): "thunder+mem",
 }
 
 
@@ -80,9 +83,18 @@ class Measurement:
     optimizer_peak_bytes: int = 0
 
 
-def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard: str | None = None,
-                 executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 1,
-                 memory: MemoryConfig | None = None, snapshot: bool = False) -> Measurement:
+def measure_step(
+    spec: models.ModelSpec,
+    rank: runtime.Rank,
+    *,
+    mode: str,
+    shard: str | None = None,
+    executors: str = "default+cat",
+    dtype: torch.dtype = torch.bfloat16,
+    micro_batch_size: int = 1,
+    memory: MemoryConfig | None = None,
+    snapshot: bool = False,
+) -> Measurement:
     """This rank's measurement of one step of ``spec`` in the report's ``mode`` (``fsdp2``, ``thunder-fsdp``,
     ``jit``), with ``FSDPMemoryTransform`` configured by ``memory`` (None: without it). ``snapshot``: on CUDA, rank
     0 records the allocator's history of the step (``Measurement.snapshot``)."""
@@ -92,8 +104,9 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
     probe = MemoryProbeTransform(recorder)
     name = TRAINERS[mode, memory is not None]
     configured = {"memory": memory} if memory is not None else {}
-    trainer = modes.build(name, spec, rank, shard=shard or "zero2", executors=executors, dtype=dtype, probe=probe,
-                          **configured)
+    trainer = modes.build(
+        name, spec, rank, shard=shard or "zero2", executors=executors, dtype=dtype, probe=probe, **configured
+    )
     idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
     for _ in range(WARMUP):
         trainer.step(idx, targets)
@@ -102,9 +115,19 @@ def measure_step(spec: models.ModelSpec, rank: runtime.Rank, *, mode: str, shard
     for _ in range(1 if recorder.cuda else REPEATS):
         with _allocator_history(history) as recorded, recorder.recording(trainer, idx, targets):
             loss = trainer.step(idx, targets, after_backward=recorder.backward_done)
-        got = Measurement(rank.rank, rank.world_size, rank.device.type, name, recorder.peak, recorder.step_peak,
-                          recorder.after_probes, _runs(recorder.samples, probe), float(loss), recorded.get("snapshot"),
-                          recorder.optimizer_peak)
+        got = Measurement(
+            rank.rank,
+            rank.world_size,
+            rank.device.type,
+            name,
+            recorder.peak,
+            recorder.step_peak,
+            recorder.after_probes,
+            _runs(recorder.samples, probe),
+            float(loss),
+            recorded.get("snapshot"),
+            recorder.optimizer_peak,
+        )
         if best is None or got.peak_bytes < best.peak_bytes:
             best = got
     return best

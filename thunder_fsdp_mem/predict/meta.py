@@ -71,8 +71,12 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
     def claimed_as_on(info):
         if device_type != "cuda" or info.checker is not tc.cuda_device_checker:
             return info
-        return ImplInfo(symbol=info.symbol, checker=on_cuda_or_meta, execution_transform=info.execution_transform,
-                        grad_transform=info.grad_transform)
+        return ImplInfo(
+            symbol=info.symbol,
+            checker=on_cuda_or_meta,
+            execution_transform=info.execution_transform,
+            grad_transform=info.grad_transform,
+        )
 
     original_maps = [ex._implmap for ex in compiling]
     original_make = tc.make_compiled

@@ -44,10 +44,20 @@ from thunder_fsdp_mem.units import format_bytes, parse_bytes
 log = logging.getLogger(__name__)
 
 
-def plan_fsdp2(model, *, memory_budget: int | str, tokens: int, micro_batch_size: int = 1,
-               world_size: int | None = None, shard: str | None = None, dtype: torch.dtype | None = None,
-               executors: str | Sequence | None = None, device_type: str = "cuda",
-               memory_cap: int | str | None = None, config: MemoryConfig | None = None) -> MemoryConfig:
+def plan_fsdp2(
+    model,
+    *,
+    memory_budget: int | str,
+    tokens: int,
+    micro_batch_size: int = 1,
+    world_size: int | None = None,
+    shard: str | None = None,
+    dtype: torch.dtype | None = None,
+    executors: str | Sequence | None = None,
+    device_type: str = "cuda",
+    memory_cap: int | str | None = None,
+    config: MemoryConfig | None = None,
+) -> MemoryConfig:
     """The ``MemoryConfig`` whose blocks' saved budget makes ``model``'s FSDP2 step fit ``memory_budget`` bytes per
     rank (see the module's docstring).
 
@@ -77,15 +87,32 @@ def plan_fsdp2(model, *, memory_budget: int | str, tokens: int, micro_batch_size
     spec = models.ModelSpec.from_config(litgpt_config, block_size=tokens)
     chosen = executors if executors is not None else "default"
     wanted = dataclasses.replace(base, memory_budget=budget, memory_cap=cap, saved_budget=None)
-    step, planned, _ = fsdp2.fit_budget(spec, wanted, world_size=world_size, shard=shard, device_type=device_type,
-                                        dtype=dtype, micro_batch_size=micro_batch_size, executors=chosen)
+    step, planned, _ = fsdp2.fit_budget(
+        spec,
+        wanted,
+        world_size=world_size,
+        shard=shard,
+        device_type=device_type,
+        dtype=dtype,
+        micro_batch_size=micro_batch_size,
+        executors=chosen,
+    )
     short = over_cap(step, cap) if cap is not None else 0
-    log.info("plan_fsdp2: %s, %d rank(s), %s, %d tokens: each block saves at most %s; predicted peak %s",
-             litgpt_config.name, world_size, shard, tokens, _saved(planned), format_bytes(step.peak_bytes))
+    log.info(
+        "plan_fsdp2: %s, %d rank(s), %s, %d tokens: each block saves at most %s; predicted peak %s",
+        litgpt_config.name,
+        world_size,
+        shard,
+        tokens,
+        _saved(planned),
+        format_bytes(step.peak_bytes),
+    )
     if step.peak_bytes > budget or short > 0:
-        message = (f"plan_fsdp2: could not meet the budget of {format_bytes(budget)}: the plan nearest to it has a "
-                   f"predicted peak of {format_bytes(step.peak_bytes)}"
-                   + (f" and its allocator replay misses the cap by {format_bytes(short)}" if short > 0 else ""))
+        message = (
+            f"plan_fsdp2: could not meet the budget of {format_bytes(budget)}: the plan nearest to it has a "
+            f"predicted peak of {format_bytes(step.peak_bytes)}"
+            + (f" and its allocator replay misses the cap by {format_bytes(short)}" if short > 0 else "")
+        )
         if base.strict:
             raise RuntimeError(message)
         warnings.warn(message, stacklevel=2)
@@ -150,10 +177,11 @@ def _dtype(gpt) -> torch.dtype:
     group = next((g for g in (_fsdp_group(m) for m in gpt.modules()) if g is not None), None)
     computed = group.mp_policy.param_dtype if group is not None else None
     if computed is not None and computed != dtype:
-        raise NotImplementedError(f"plan_fsdp2: parameters in {dtype} computed in {computed} (FSDP2's "
-                                  "MixedPrecisionPolicy) are not modelled; keep the parameters in the dtype they are "
-                                  "computed in")
+        raise NotImplementedError(
+            f"plan_fsdp2: parameters in {dtype} computed in {computed} (FSDP2's "
+            "MixedPrecisionPolicy) are not modelled; keep the parameters in the dtype they are "
+            "computed in"
+        )
     if dtype not in models.DTYPES.values():
         raise NotImplementedError(f"plan_fsdp2: parameters in {dtype} are not modelled")
     return dtype
-

@@ -41,8 +41,9 @@ class BlockTraces:
     saved: tuple[str, ...]  # the names it saves for the backward
 
 
-def trace_blocks(gpt, idx: torch.Tensor, executors: list, transform: FSDPMemoryTransform | None,
-                 device_type: str) -> BlockTraces:
+def trace_blocks(
+    gpt, idx: torch.Tensor, executors: list, transform: FSDPMemoryTransform | None, device_type: str
+) -> BlockTraces:
     """Compile the blocks as FSDP2's graph breaks leave them (each Block's forward alone) with ThunderFX, run them
     forward and backward on the meta device, and analyse the one graph they all run. ``transform``: the
     ``FSDPMemoryTransform`` to compile with, None for none."""
@@ -61,7 +62,8 @@ def trace_blocks(gpt, idx: torch.Tensor, executors: list, transform: FSDPMemoryT
     if len(backend.subgraph_infos) != 1 or len(fns) != 1 or backend.subgraph_infos[0].split_reasons:
         raise NotImplementedError(
             f"the blocks compile to {len(backend.subgraph_infos)} graphs and {len(fns)} Thunder functions; the "
-            "fsdp2 composition needs one graph that every block runs")
+            "fsdp2 composition needs one graph that every block runs"
+        )
     sources = _fx_sources(backend.subgraph_infos[0].split_graph_module)
     if transform is not None:  # what it recomputes, placed at the user's lines as the traces below are
         transform.rewrites[:] = [_rewrite_at_user_lines(r, sources) for r in transform.rewrites]
@@ -106,8 +108,11 @@ def _placed_at_user_lines(trace, sources: dict[tuple[str, int], str]):
         if user is None:
             return bsym.from_bsym(subsymbols=subsymbols)
         filename, _, lineno = user.rpartition(":")
-        return bsym.from_bsym(subsymbols=subsymbols, source_filename=filename,
-                              source_positions=Positions(int(lineno), int(lineno), None, None))
+        return bsym.from_bsym(
+            subsymbols=subsymbols,
+            source_filename=filename,
+            source_positions=Positions(int(lineno), int(lineno), None, None),
+        )
 
     out = from_trace(trace)
     out.bound_symbols = [placed(bsym) for bsym in trace.bound_symbols]
@@ -163,6 +168,12 @@ def _forward_specs(trace) -> dict[str, InputSpec]:
 def _backward_specs(forward: MemoryTimeline) -> dict[str, InputSpec]:
     """What the forward returns, as the backward receives it: what the forward made belongs to the backward, which
     frees it; the forward's own arguments are held elsewhere."""
-    return {name: InputSpec(("forward", i), forward.allocations[i].category,
-                            external=forward.allocations[i].external, nbytes=forward.allocations[i].nbytes)
-            for name, i in forward.outputs.items()}
+    return {
+        name: InputSpec(
+            ("forward", i),
+            forward.allocations[i].category,
+            external=forward.allocations[i].external,
+            nbytes=forward.allocations[i].nbytes,
+        )
+        for name, i in forward.outputs.items()
+    }

@@ -44,7 +44,8 @@ def _forward_meta(query, key, value, dropout_p, is_causal, scale):
 
 def _forward_impl(query, key, value, dropout_p, is_causal, scale):
     out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        query, key, value, None, True, dropout_p, is_causal, False, scale=scale)
+        query, key, value, None, True, dropout_p, is_causal, False, scale=scale
+    )
     return out, lse
 
 
@@ -57,8 +58,23 @@ def _backward_impl(grad, query, key, value, out, lse, dropout_p, is_causal, scal
     seed = torch.empty((), dtype=torch.int64, device=query.device)
     offset = torch.empty((), dtype=torch.int64, device=query.device)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, query, key, value, out, lse, seed, offset, None, None, None, query.shape[2], key.shape[2],
-        dropout_p, is_causal, scale=scale)
+        grad,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        seed,
+        offset,
+        None,
+        None,
+        None,
+        query.shape[2],
+        key.shape[2],
+        dropout_p,
+        is_causal,
+        scale=scale,
+    )
 
 
 cudnn_forward = cudnn_attention_ex.register_operator(FORWARD, meta=_forward_meta, fn=_forward_impl)
@@ -88,8 +104,10 @@ def torch_agrees(query, key, value, is_causal, debug: bool = False) -> bool:
     if not (torch.cuda.is_available() and cudnn_sdp_enabled()):
         return False
     with FakeTensorMode() as mode:
-        fake = [FakeTensor(mode, torch.empty(t.shape, dtype=ltorch.to_torch_dtype(t.dtype), device="meta"),
-                           device="cuda") for t in (query, key, value)]
+        fake = [
+            FakeTensor(mode, torch.empty(t.shape, dtype=ltorch.to_torch_dtype(t.dtype), device="meta"), device="cuda")
+            for t in (query, key, value)
+        ]
     try:
         return bool(can_use_cudnn_attention(SDPAParams(*fake, None, 0.0, bool(is_causal), False), debug))
     except (RuntimeError, TypeError):
@@ -120,5 +138,6 @@ def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, 
     return out
 
 
-cudnn_attention_ex.register_implementation(ltorch.scaled_dot_product_attention, checker=_checker,
-                                           execution_transform=_execution, grad_transform=_grad)
+cudnn_attention_ex.register_implementation(
+    ltorch.scaled_dot_product_attention, checker=_checker, execution_transform=_execution, grad_transform=_grad
+)

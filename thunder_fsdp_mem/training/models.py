@@ -44,12 +44,18 @@ class ModelSpec:
         from litgpt.config import name_to_config
 
         if config.name not in name_to_config:
-            raise ValueError(f"litgpt configuration {config.name!r} is not known by name (Config.from_name): "
-                             "start from a named one and change its fields")
+            raise ValueError(
+                f"litgpt configuration {config.name!r} is not known by name (Config.from_name): "
+                "start from a named one and change its fields"
+            )
         named = Config.from_name(config.name, block_size=block_size)
-        changed = tuple((f.name, getattr(config, f.name)) for f in dataclasses.fields(Config)
-                        if f.init and f.name not in ("name", "block_size", "n_layer")
-                        and getattr(config, f.name) != getattr(named, f.name))
+        changed = tuple(
+            (f.name, getattr(config, f.name))
+            for f in dataclasses.fields(Config)
+            if f.init
+            and f.name not in ("name", "block_size", "n_layer")
+            and getattr(config, f.name) != getattr(named, f.name)
+        )
         n_layers = config.n_layer if config.n_layer != named.n_layer else None
         return cls(name=config.name, n_layers=n_layers, block_size=block_size, overrides=changed)
 
@@ -87,8 +93,9 @@ class LossModel(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def build(spec: ModelSpec, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-          seed: int = 0) -> LossModel:
+def build(
+    spec: ModelSpec, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", seed: int = 0
+) -> LossModel:
     """The model of ``spec`` with its loss, on ``device`` in ``dtype``, deterministically initialised."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -96,15 +103,17 @@ def build(spec: ModelSpec, *, dtype: torch.dtype = torch.bfloat16, device: str |
     return model.to(dtype)
 
 
-def batch(spec: ModelSpec, *, micro_batch_size: int = 1, device: str | torch.device = "cpu",
-          seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    spec: ModelSpec, *, micro_batch_size: int = 1, device: str | torch.device = "cpu", seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids and targets of shape (micro_batch_size, block_size); on the meta device, their shapes alone
     (no host memory for a long sequence)."""
     cfg = spec.config()
     shape = (micro_batch_size, spec.block_size)
     if torch.device(device).type == "meta":
-        return torch.empty(shape, dtype=torch.int64, device="meta"), torch.empty(shape, dtype=torch.int64,
-                                                                                   device="meta")
+        return torch.empty(shape, dtype=torch.int64, device="meta"), torch.empty(
+            shape, dtype=torch.int64, device="meta"
+        )
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)
     targets = torch.randint(0, cfg.padded_vocab_size, shape, generator=g).to(device)

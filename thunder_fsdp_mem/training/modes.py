@@ -23,15 +23,21 @@ from thunder_fsdp_mem.training import models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
-    "thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "fsdp2-inductor", "fsdp2-eager",
+    "thunder-fsdp",
+    "thunder-fsdp+mem",
+    "fsdp2-thunder",
+    "fsdp2-thunder+mem",
+    "fsdp2-inductor",
+    "fsdp2-eager",
     "fsdp1-inductor",
 )
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "inductor+ckpt", "eager")
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
 COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
 BASELINES = ("fsdp2-inductor", "inductor")  # torch.compile's rows: what the other rows are measured against
-THUNDER_MODES = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "thunder",
-                           "thunder+mem"})
+THUNDER_MODES = frozenset(
+    {"thunder-fsdp", "thunder-fsdp+mem", "fsdp2-thunder", "fsdp2-thunder+mem", "thunder", "thunder+mem"}
+)
 INDUCTOR_MODES = frozenset({"fsdp2-inductor", "fsdp1-inductor", "inductor", "inductor+ckpt"})
 
 
@@ -78,8 +84,9 @@ class Trainer:
             if t.device != device:
                 t.data = t.data.to(device)
 
-    def step(self, idx: torch.Tensor, targets: torch.Tensor,
-             after_backward: Callable[[], None] | None = None) -> torch.Tensor:
+    def step(
+        self, idx: torch.Tensor, targets: torch.Tensor, after_backward: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """One training step; ``after_backward`` is called between the backward and the optimizer step."""
         logits = self.model(idx)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -91,9 +98,18 @@ class Trainer:
         return loss.detach()
 
 
-def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str = "zero2",
-          executors: str = "default+cat", dtype: torch.dtype = torch.bfloat16, memory: MemoryConfig = MemoryConfig(),
-          probe=None, activation_memory_budget: float | None = None) -> Trainer:
+def build(
+    mode: str,
+    spec: models.ModelSpec,
+    rank: runtime.Rank,
+    *,
+    shard: str = "zero2",
+    executors: str = "default+cat",
+    dtype: torch.dtype = torch.bfloat16,
+    memory: MemoryConfig = MemoryConfig(),
+    probe=None,
+    activation_memory_budget: float | None = None,
+) -> Trainer:
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0)."""
@@ -109,12 +125,11 @@ def build(mode: str, spec: models.ModelSpec, rank: runtime.Rank, *, shard: str =
         torch._functorch.config.activation_memory_budget = activation_memory_budget
     builders: dict[str, Callable[..., Trainer]] = {
         "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None, probe=probe),
-        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory,
-                                             probe=probe),
-        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype,
-                                        compiler=("thunder", executors, None, probe)),
-        "fsdp2-thunder+mem": lambda: _fsdp2(mode, spec, rank, shard, dtype,
-                                            compiler=("thunder", executors, memory, probe)),
+        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory, probe=probe),
+        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, None, probe)),
+        "fsdp2-thunder+mem": lambda: _fsdp2(
+            mode, spec, rank, shard, dtype, compiler=("thunder", executors, memory, probe)
+        ),
         "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("inductor",)),
         "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=None),
         "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype),
@@ -211,7 +226,10 @@ def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:
     gpt = _gpt(spec, rank, dtype)
     strategy = ShardingStrategy.FULL_SHARD if shard == "zero3" else ShardingStrategy.SHARD_GRAD_OP
     wrapped = FullyShardedDataParallel(
-        gpt, sharding_strategy=strategy, use_orig_params=True, device_id=rank.device,
+        gpt,
+        sharding_strategy=strategy,
+        use_orig_params=True,
+        device_id=rank.device,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
     )
     return Trainer(mode, torch.compile(wrapped), _adamw(wrapped))

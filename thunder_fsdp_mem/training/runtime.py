@@ -111,8 +111,9 @@ def _compile_executor():
         from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_ex
 
         _COMPILE_EX = TorchCompileExecutor(name="torchcompile_fused")
-        _COMPILE_EX._implmap = {op: info for op, info in torch_compile_ex._implmap.items()
-                                if not isinstance(op, DistributedPrimIDs)}
+        _COMPILE_EX._implmap = {
+            op: info for op, info in torch_compile_ex._implmap.items() if not isinstance(op, DistributedPrimIDs)
+        }
     return _COMPILE_EX
 
 
