@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.cuda._memory_viz as memory_viz
 
-from thunder_fsdp_mem.snapshot import predicted_snapshot
+from thunder_fsdp_mem.analysis.snapshot import predicted_snapshot
 from thunder_fsdp_mem.training import models
 
 SPEC = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)

@@ -487,7 +487,7 @@ def _write_snapshots(path: str, steps, measured) -> None:
     and the measured step's snapshot (``--measure`` on CUDA) beside it."""
     import pickle
 
-    from thunder_fsdp_mem.snapshot import predicted_snapshot
+    from thunder_fsdp_mem.analysis.snapshot import predicted_snapshot
 
     stem = path[: -len(".pickle")] if path.endswith(".pickle") else path
     written = {path: predicted_snapshot(steps[-1])}

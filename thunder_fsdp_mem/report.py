@@ -23,7 +23,7 @@ from thunder_fsdp_mem.analysis.step import Stage, StepMemory, Timeline
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.predict.fit import StepFit
-from thunder_fsdp_mem.reserved import Reserved, replay_step
+from thunder_fsdp_mem.analysis.allocator import Reserved, replay_step
 from thunder_fsdp_mem.units import format_bytes, unit_of
 
 

@@ -34,7 +34,7 @@ from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import budget, casts, checks, fusions, gathers, recompute, reorder, scatters
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Pass, Proposal
-from thunder_fsdp_mem.reserved import over_cap
+from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.units import format_bytes
 
 FOLD, FUSIONS, REMATERIALIZE, ORDER = "folded casts", "fusion rematerialization", "rematerialization", "order"

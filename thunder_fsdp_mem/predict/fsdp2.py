@@ -70,7 +70,7 @@ from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
-from thunder_fsdp_mem.reserved import over_cap
+from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.training import models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 

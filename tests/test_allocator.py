@@ -3,7 +3,14 @@ rules (sizes, pools, splitting, merging, releasing under a cap), and over a pred
 
 import pytest
 
-from thunder_fsdp_mem.reserved import CachingAllocator, OutOfMemory, over_cap, replay_step, rounded, segment_size
+from thunder_fsdp_mem.analysis.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    over_cap,
+    replay_step,
+    rounded,
+    segment_size,
+)
 
 MiB = 1 << 20
 

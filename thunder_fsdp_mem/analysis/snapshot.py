@@ -1,6 +1,6 @@
 """The predicted step as a memory snapshot that PyTorch's own viewer opens (``report --snapshot``).
 
-Entry points: ``replay(step) -> Replay``, the step's allocations and frees in order (what ``reserved`` runs through
+Entry points: ``replay(step) -> Replay``, the step's allocations and frees in order (what ``allocator`` runs through
 its model of the caching allocator); ``predicted_snapshot(step) -> dict``, in the format of
 ``torch.cuda.memory._snapshot()`` (what ``torch.cuda.memory._dump_snapshot`` pickles): one segment whose blocks are
 what is alive at the end of the step, and a device trace of ``alloc`` / ``free_requested`` / ``free_completed``

@@ -27,9 +27,9 @@ import bisect
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.step import StepMemory
-from thunder_fsdp_mem.snapshot import ALIGNMENT as MIN_BLOCK
-from thunder_fsdp_mem.snapshot import aligned as rounded
-from thunder_fsdp_mem.snapshot import replay
+from thunder_fsdp_mem.analysis.snapshot import ALIGNMENT as MIN_BLOCK
+from thunder_fsdp_mem.analysis.snapshot import aligned as rounded
+from thunder_fsdp_mem.analysis.snapshot import replay
 
 SMALL_REQUEST = 1 << 20  # requests up to this size use the small pool
 SMALL_SEGMENT = 2 << 20
