@@ -1,0 +1,68 @@
+"""The largest step that fits, as the ``fit`` command shows it: ``render_fit(fits, title=...) -> str`` (a rich
+table, one row per plan) and ``fit_json(fits) -> dict``. The search itself is ``predict.fit.fit_step``; this
+module only presents its ``StepFit`` results."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+from thunder_fsdp_mem.predict.fit import StepFit
+from thunder_fsdp_mem.report.tables import table
+from thunder_fsdp_mem.units import format_bytes
+
+
+def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, micro_batch_size: int) -> str:
+    """``thunder-fsdp-mem fit``: per plan, the largest sequence length and micro-batch that fit, and the next that does
+    not, each with its predicted peak."""
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=180, color_system=None, highlight=False)
+    capacity = fits[0][1].capacity
+    console.print(
+        f"{title}: the largest step whose predicted peak fits {format_bytes(capacity)} per rank ({capacity} bytes)"
+    )
+    console.print()
+
+    out = table(
+        "plan",
+        f"sequence length, micro-batch {micro_batch_size}",
+        "next, over",
+        f"micro-batch at {block_size} tokens",
+        "next, over",
+    )
+    for label, fit in fits:
+        t, m = fit.tokens, fit.micro_batch
+        out.add_row(
+            label,
+            _cell(t.value, t.peak_bytes, " tokens") if t.value else "none fits",
+            _cell(t.above, t.above_peak_bytes, ""),
+            _cell(m.value, m.peak_bytes, "") if m.value else "none fits",
+            _cell(m.above, m.above_peak_bytes, ""),
+        )
+    console.print(out)
+    console.print(
+        "(sequence lengths and micro-batches are powers of two; the transform runs with the size as its memory budget)"
+    )
+    return console.file.getvalue().rstrip("\n")
+
+
+def fit_json(fits: list[tuple[str, StepFit]]) -> dict:
+    """The capacity, and per plan its ``Largest`` sequence length and micro-batch as dicts (bytes as integers)."""
+    return {
+        "capacity_bytes": fits[0][1].capacity,
+        "plans": [
+            {
+                "label": label,
+                "tokens": dataclasses.asdict(fit.tokens),
+                "micro_batch": dataclasses.asdict(fit.micro_batch),
+            }
+            for label, fit in fits
+        ],
+    }
+
+
+def _cell(value: int | None, peak: int | None, what: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value}{what} ({format_bytes(peak)})" if peak is not None else f"{value}{what}"

@@ -1,0 +1,78 @@
+"""The rich tables the text renderings share: ``table(first, *others)``, a table of named rows and right-aligned
+figures, and ``top_table(top, width)``, the largest allocations at the peak fitted to a terminal's width without
+cutting a figure. ``short_source`` shortens a source line to its last two path parts."""
+
+from __future__ import annotations
+
+import os
+
+from thunder_fsdp_mem.report.model import TopAllocation
+from thunder_fsdp_mem.units import format_bytes
+
+# The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
+# or not at all, so no figure, shape or source line is ever cut; only the name folds onto more lines.
+_TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
+_LEFT_OUT_FIRST = ("trace name", "source", "symbol", "category", "dtype", "shape")
+_NAME_WIDTH = 24  # the least width of the name column, which folds
+_GAP = 3  # between two columns: a space of padding on each side of a space of border
+
+
+def table(first: str, *others: str):
+    """A table whose first column names the rows and whose other columns are right-aligned figures."""
+    from rich import box
+    from rich.table import Table
+
+    out = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    out.add_column(first, no_wrap=True)
+    for header in others:
+        out.add_column(header, justify="right", no_wrap=True)
+    return out
+
+
+def top_table(top: tuple[TopAllocation, ...], width: int):
+    """The largest allocations at the peak as a table of at most ``width`` columns (see ``_LEFT_OUT_FIRST``)."""
+    rows = [
+        (
+            t.name,
+            f"x{t.count}",
+            "x".join(str(d) for d in t.shape) or "-",
+            t.dtype,
+            format_bytes(t.nbytes),
+            format_bytes(t.total_bytes),
+            t.category.value,
+            t.symbol,
+            short_source(t.source),
+            t.trace_name if t.trace_name != t.name else "",
+        )
+        for t in top
+    ]
+    need = {h: max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(_TOP_HEADERS)}
+    shown = list(_TOP_HEADERS)
+
+    def total() -> int:
+        return sum(need[h] if h != "name" else _NAME_WIDTH for h in shown) + _GAP * (len(shown) - 1)
+
+    for header in _LEFT_OUT_FIRST:
+        if total() <= width:
+            break
+        shown.remove(header)
+    out = table(*shown)
+    for column in out.columns:
+        header = column.header
+        if header == "name":
+            column.no_wrap, column.overflow, column.min_width = False, "fold", _NAME_WIDTH
+        else:
+            column.no_wrap, column.min_width = True, need[header]
+        column.justify = "right" if header in ("count", "size each", "total") else "left"
+    for row in rows:
+        out.add_row(*(row[_TOP_HEADERS.index(h)] for h in shown))
+    return out
+
+
+def short_source(source: str | None) -> str:
+    """``path/to/file.py:12`` as its last two path parts and the line (``to/file.py:12``); ``-`` for none."""
+    if not source:
+        return "-"
+    path, _, line = source.rpartition(":")
+    parts = path.split(os.sep)
+    return f"{os.sep.join(parts[-2:])}:{line}" if line.isdigit() else source
