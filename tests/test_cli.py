@@ -42,6 +42,11 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["report", "--memory-cap", "lots"], "--memory-cap: cannot read 'lots' as a size"),
         (["report", "--device", "cpu", "--memory-cap", "80GB"], "--memory-cap limits CUDA's caching allocator"),
         (["report", "--fit", "80GB", "--memory-cap", "80GB"], "drop --memory-cap"),
+        (["fit", "0"], "fit SIZE must be more than 0 bytes"),
+        (["fit", "lots"], "fit SIZE: cannot read 'lots' as a size"),
+        (["fit"], "the following arguments are required: SIZE"),
+        (["fit", "80GB", "--plot", "fit.png"], "unrecognized arguments: --plot"),
+        (["fit", "80GB", "--mode", "jit", "--shard", "zero3"], "--shard applies to --mode fsdp2 and thunder-fsdp"),
         (["frobnicate"], "invalid choice"),
     ],
 )

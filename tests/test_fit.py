@@ -1,6 +1,9 @@
 """predict.fit: the bisection over candidate sizes against hand-made peaks, and ``report --fit`` on a small model:
-what it calls the largest fits and the next does not, each figure the one ``report`` predicts for that size."""
+what it calls the largest fits and the next does not, each figure the one ``report`` predicts for that size; the
+``fit`` command prints and writes the same, and ``report --fit`` says once, in one line, that it is deprecated."""
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -37,13 +40,23 @@ def test_sequence_lengths_are_powers_of_two_up_to_the_longest():
     assert sequence_lengths(100) == (256,)
 
 
-def test_report_fit_finds_what_fits_and_what_does_not(tmp_path, capsys):
-    out = tmp_path / "fit.json"
-    small = ["--model", "pythia-14m", "--n-layers", "1", "--mode", "jit", "--device", "cpu", "--block-size", "512"]
-    assert main(["report", *small, "--fit", "200MB", "--json", str(out)]) == 0
-    text = capsys.readouterr().out
+SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--mode", "jit", "--device", "cpu", "--block-size", "512"]
+
+
+@pytest.fixture(scope="module")
+def report_fit(tmp_path_factory):
+    """``report --fit 200MB`` on a small model, run once: its exit code, stdout, stderr and JSON."""
+    out = tmp_path_factory.mktemp("report_fit") / "fit.json"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["report", *SMALL, "--fit", "200MB", "--json", str(out)])
+    return code, stdout.getvalue(), stderr.getvalue(), json.loads(out.read_text()) if code == 0 else None
+
+
+def test_report_fit_finds_what_fits_and_what_does_not(report_fit, tmp_path):
+    code, text, _, fit = report_fit
+    assert code == 0
     assert "fits 190.73 MiB per rank" in text
-    fit = json.loads(out.read_text())
     assert fit["capacity_bytes"] == 200 * 10**6
     for plan in fit["plans"]:
         for key in ("tokens", "micro_batch"):
@@ -56,5 +69,24 @@ def test_report_fit_finds_what_fits_and_what_does_not(tmp_path, capsys):
     without = fit["plans"][0]
     assert (without["tokens"]["value"], without["tokens"]["above"]) == (256, 512)
     json_path = tmp_path / "r.json"
-    assert main(["report", *small[:-1], "256", "--json", str(json_path)]) == 0
+    assert main(["report", *SMALL[:-1], "256", "--json", str(json_path)]) == 0
     assert json.loads(json_path.read_text())["peak_bytes"] == without["tokens"]["peak_bytes"]
+
+
+def test_report_fit_says_once_and_plainly_that_it_is_deprecated(report_fit):
+    _, _, err, _ = report_fit
+    noted = [line for line in err.splitlines() if "deprecated" in line]
+    assert noted == [
+        "thunder-fsdp-mem: note: `report --fit` is deprecated; use `thunder-fsdp-mem fit SIZE` with the same options"
+    ]
+    assert "Warning" not in err and "Traceback" not in err
+
+
+def test_the_fit_command_gives_what_report_fit_gives(report_fit, tmp_path, capsys):
+    _, text, _, fit = report_fit
+    out = tmp_path / "fit.json"
+    assert main(["fit", "200MB", *SMALL, "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == text
+    assert json.loads(out.read_text()) == fit
+    assert "deprecated" not in captured.err

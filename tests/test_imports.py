@@ -9,7 +9,14 @@ from pathlib import Path
 import networkx as nx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "thunder_fsdp_mem"
-DEFERRED_ALLOWED = {"thunder_fsdp_mem.cli"}
+DEFERRED_ALLOWED = {
+    "thunder_fsdp_mem.cli",
+    "thunder_fsdp_mem.cli.__main__",
+    "thunder_fsdp_mem.cli.commands",
+    "thunder_fsdp_mem.cli.console",
+    "thunder_fsdp_mem.cli.parser",
+    "thunder_fsdp_mem.cli.validate",
+}
 
 
 def _module_name(path: Path) -> str:

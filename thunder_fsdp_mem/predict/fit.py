@@ -1,4 +1,4 @@
-"""The largest step that fits a device (``thunder-fsdp-mem report --fit 80GB``).
+"""The largest step that fits a device (``thunder-fsdp-mem fit 80GB``).
 
 ``fit_step(spec, capacity, config=..., **options) -> StepFit``: the largest sequence length (a power of two, at the
 spec's micro-batch) and the largest micro-batch (a power of two, at the spec's sequence length) whose predicted

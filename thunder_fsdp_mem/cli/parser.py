@@ -1,0 +1,164 @@
+"""The command line's grammar: ``build_parser()`` makes the ``thunder-fsdp-mem`` parser with its subcommands,
+``report`` (one step's memory) and ``fit`` (the largest step that fits a size), which share the options that make
+the step (model, tokens, mode, executors...). A usage error raises ``UsageError`` (one line, exit 2; no usage
+dump). The choices come from the modules that define them, imported here so that ``--help`` alone pays for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_MODEL = "pythia-70m"
+DEFAULT_MODE = "fsdp2"
+
+# What `report --fit` says, once, on stderr, until the option goes (the release after the `fit` command came).
+FIT_DEPRECATED = "note: `report --fit` is deprecated; use `thunder-fsdp-mem fit SIZE` with the same options"
+
+# The report's own options, as the fit command's namespace carries them (its JSON's settings are the report's).
+REPORT_ONLY_DEFAULTS = dict(
+    memory_cap=None, memory_budget=None, transform=False, top=10, measure=False, plot=None, snapshot=None
+)
+
+
+class UsageError(Exception):
+    """A mistake in the command line: ``main`` prints its message as one line and exits with 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    report = sub.add_parser(
+        "report", help="memory report of one training step of a litgpt model, predicted on the meta device"
+    )
+    _add_step_options(report, report=True)
+    _add_report_options(report)
+    _add_output_options(report, "also write the report as JSON to PATH")
+    fit = sub.add_parser(
+        "fit",
+        help="the largest sequence length and micro-batch whose predicted step fits a size per rank",
+        description="The largest sequence length (a power of two, at --micro-batch-size) and the largest "
+        "micro-batch (at --block-size) whose predicted peak fits SIZE per rank, without the transform and with it "
+        "at that budget; each candidate is one step traced on the meta device.",
+    )
+    fit.add_argument("fit", metavar="SIZE", help="the memory per rank the step must fit (80GB, 141GiB)")
+    _add_step_options(fit, report=False)
+    _add_output_options(fit, "also write the sizes found as JSON to PATH")
+    fit.set_defaults(**REPORT_ONLY_DEFAULTS)
+    return parser
+
+
+def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
+    """What the step is made of: the model, its tokens, the parallelism, the device, executors and the transform's
+    fusion pass (``report``: the report's wording, where it implies --transform)."""
+    from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
+    from thunder_fsdp_mem.predict.emulate import MODES
+    from thunder_fsdp_mem.training.runtime import EXECUTOR_CHOICES, SHARDS
+
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"litgpt configuration name (default {DEFAULT_MODEL})")
+    parser.add_argument("--n-layers", type=int, default=None, help="number of blocks (default: the model's)")
+    parser.add_argument("--block-size", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step and rank (default 1)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default=DEFAULT_MODE,
+        help="fsdp2: FSDP2 (fully_shard) through ThunderFX; thunder-fsdp: Thunder's fsdp; jit: "
+        f"thunder.jit on one device (default {DEFAULT_MODE})",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=SHARDS,
+        default=None,
+        help="FSDP sharding: zero2, or zero3 (FSDP2's reshard_after_forward) (default zero2)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks, emulated by a fake process group or composed per rank (default 2; jit: 1)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICE_TYPES,
+        default="cuda",
+        help="the device whose run is predicted (default cuda: Thunder's CUDA attention kernels)",
+    )
+    parser.add_argument(
+        "--executors",
+        choices=EXECUTOR_CHOICES,
+        default="default+cat",
+        help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
+        "benchmarks/compare.py (default default+cat)",
+    )
+    parser.add_argument(
+        "--fusion-rematerialize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="MemoryConfig.fusion_rematerialize, on by default: backward fusions recompute what "
+        "Thunder's rematerialization means them to (results Thunder's rematerialized ones); "
+        "--no-fusion-rematerialize plans with it off (results bit for bit the untransformed "
+        "run's)" + (". Either implies --transform" if report else ""),
+    )
+
+
+def _add_report_options(report: argparse.ArgumentParser) -> None:
+    """The report's own: the transform and its budget, the allocator's cap, a measured run, the plot, the
+    snapshot; and ``--fit``, deprecated for the ``fit`` command."""
+    report.add_argument(
+        "--memory-cap",
+        metavar="SIZE",
+        default=None,
+        help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
+        "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
+        "caching allocator over the step and says whether it runs out under it; with "
+        "--memory-budget, the plan must run under it too (--device cuda)",
+    )
+    report.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        default=None,
+        help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
+        "recomputes matmuls and attention in backward where it must; shows what, and the "
+        "predicted added time (implies --transform)",
+    )
+    report.add_argument(
+        "--fit",
+        metavar="SIZE",
+        default=None,
+        help="deprecated: use `thunder-fsdp-mem fit SIZE` (the same search, the same options); this option "
+        "goes in the next release",
+    )
+    report.add_argument(
+        "--transform",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also plan the step with FSDPMemoryTransform and show both (default: without only)",
+    )
+    report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
+    report.add_argument(
+        "--measure",
+        action="store_true",
+        help="also run one step for real, a probe after every symbol, and show it beside the "
+        "prediction (under torchrun for fsdp2 and thunder-fsdp: torchrun --nproc-per-node W -m "
+        "thunder_fsdp_mem.cli report --measure ...)",
+    )
+    report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
+    report.add_argument(
+        "--snapshot",
+        metavar="PATH",
+        help="also write the predicted step to PATH as a PyTorch memory snapshot (the pickle of "
+        "torch.cuda.memory._dump_snapshot: open it on pytorch.org/memory_viz); beside it, "
+        "with --transform, the plan without the transform (NAME-without-transform.pickle) "
+        "and, with --measure on CUDA, the recorded step (NAME-measured.pickle)",
+    )
+
+
+def _add_output_options(parser: argparse.ArgumentParser, json_help: str) -> None:
+    parser.add_argument("--json", metavar="PATH", help=json_help)
+    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")
