@@ -24,17 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from thunder_fsdp_mem.analysis.symbols import (
-    RESHAPE_OPS,
-    VIEW_OPS,
-    dtype_name,
-    is_fusion,
-    nbytes,
-    shape,
-    sym_id,
-    tensor_args,
-    tensor_outputs,
-)
+from thunder_fsdp_mem.analysis import symbols
 
 MATMULS = frozenset({"matmul", "linear"})
 # Thunder's sdpa executor's forwards, by name, with the positions of their dropout and causal arguments: the
@@ -47,7 +37,7 @@ _ATTENTION_OPTIONS = {
     "cudnn_sdpa_forward": (3, 4),
 }
 ATTENTION = frozenset(_ATTENTION_OPTIONS)
-_NO_KERNEL = VIEW_OPS | RESHAPE_OPS | {"broadcast_in_dim"}
+_NO_KERNEL = symbols.VIEW_OPS | symbols.RESHAPE_OPS | {"broadcast_in_dim"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,34 +80,34 @@ H200 = DeviceRates(
 def op_flops(bsym) -> tuple[float, str]:
     """Floating-point operations of ``bsym``'s matmuls and attention (inside a fusion region too), and the dtype
     they run in; (0, "") for an op without them."""
-    if is_fusion(bsym):
+    if symbols.is_fusion(bsym):
         found = [op_flops(sub) for sub in bsym.subsymbols]
         total = sum(f for f, _ in found)
         return total, next((d for f, d in found if f), "")
-    sid = sym_id(bsym)
-    args = tensor_args(bsym)
+    sid = symbols.sym_id(bsym)
+    args = symbols.tensor_args(bsym)
     if sid in MATMULS and len(args) >= 2:
-        out = tensor_outputs(bsym)[0]
-        k = shape(args[0])[-1]
+        out = symbols.tensor_outputs(bsym)[0]
+        k = symbols.shape(args[0])[-1]
         numel = 1
-        for s in shape(out):
+        for s in symbols.shape(out):
             numel *= s
-        return 2.0 * numel * k, dtype_name(out)
+        return 2.0 * numel * k, symbols.dtype_name(out)
     if sid in ATTENTION and len(args) >= 3:
-        q, key = shape(args[0]), shape(args[1])
+        q, key = symbols.shape(args[0]), symbols.shape(args[1])
         *batch, tq, d = q
         tk = key[-2]
         heads = 1
         for s in batch:
             heads *= s
         causal = attention_options(bsym)[1]
-        return 4.0 * heads * tq * tk * d * (0.5 if causal else 1.0), dtype_name(args[0])
+        return 4.0 * heads * tq * tk * d * (0.5 if causal else 1.0), symbols.dtype_name(args[0])
     return 0.0, ""
 
 
 def attention_options(bsym) -> tuple[float, bool]:
     """(dropout probability, causal) of one of Thunder's sdpa forwards."""
-    dropout_at, causal_at = _ATTENTION_OPTIONS[sym_id(bsym)]
+    dropout_at, causal_at = _ATTENTION_OPTIONS[symbols.sym_id(bsym)]
     dropout = bsym.kwargs.get("dropout_p", bsym.args[dropout_at] if len(bsym.args) > dropout_at else 0.0)
     causal = bsym.kwargs.get("is_causal", bsym.args[causal_at] if len(bsym.args) > causal_at else False)
     return float(dropout), bool(causal)
@@ -126,9 +116,9 @@ def attention_options(bsym) -> tuple[float, bool]:
 def op_traffic(bsym) -> int:
     """Bytes ``bsym`` reads and writes: nothing for views and reshapes, which launch no kernel; a fusion region's
     own inputs and outputs; every tensor argument and output otherwise."""
-    if not is_fusion(bsym) and sym_id(bsym) in _NO_KERNEL:
+    if not symbols.is_fusion(bsym) and symbols.sym_id(bsym) in _NO_KERNEL:
         return 0
-    return sum(nbytes(t) for t in (*tensor_args(bsym), *tensor_outputs(bsym)))
+    return sum(symbols.nbytes(t) for t in (*symbols.tensor_args(bsym), *symbols.tensor_outputs(bsym)))
 
 
 def op_seconds(bsym, rates: DeviceRates = H200) -> float:

@@ -1,6 +1,6 @@
 """The device a trace runs on: its tensors' own, or, for a trace made on the meta device (the predictions of
 ``predict/``), the device ``as_on`` names. What depends on it: which casts fold (``passes/casts.py``) and how AdamW
-steps (``step.anticipated_adamw_step``)."""
+steps (``optimizer.anticipated_adamw_step``)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, auto
 
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
@@ -60,12 +60,12 @@ class Kind(Enum):
     """What a bound symbol is to the walk: an op, the unpacking of an input, a ``del``, a collection clear, the
     return, or nothing that touches tensors."""
 
-    COMPUTE = "compute"
-    UNPACK = "unpack"
-    DEL = "del"
-    CLEAR = "clear"
-    RETURN = "return"
-    NOOP = "noop"
+    COMPUTE = auto()
+    UNPACK = auto()
+    DEL = auto()
+    CLEAR = auto()
+    RETURN = auto()
+    NOOP = auto()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,145 @@
+"""What the liveness analysis returns: the allocations of a trace and its live bytes over time.
+
+Entry points: ``MemoryTimeline`` (what ``liveness.analyze`` returns), ``Allocation`` (one storage, with where it was
+allocated and freed), ``InputSpec`` (how a caller says a trace's input is held), ``OpMemory`` (what one bound symbol
+does to memory, from ``MemoryTimeline.ops``).
+
+Sizes are ``int`` bytes of the allocation (``numel * itemsize``, no allocator rounding); indices are positions in the
+trace's ``bound_symbols``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+from thunder_fsdp_mem.analysis.categories import Category
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """How a trace input's storage is held, for traces whose inputs come from elsewhere (a backward's saved
+    tensors come from its forward).
+
+    ``storage``: inputs with equal keys share one allocation. ``external``: held outside the trace (a module
+    parameter, the caller's input), so the trace never frees it. ``nbytes``: the allocation's size when it is
+    larger than this tensor (a view of a bigger storage); None means the tensor's own size.
+    """
+
+    storage: Hashable
+    category: Category
+    external: bool
+    nbytes: int | None = None
+
+
+OUTSIDE = -1  # the ``start`` of an allocation held outside the traces (parameters, optimizer state, FSDP2's buffers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Allocation:
+    """One storage: who made it, how big, and the bound-symbol indices where it was allocated and freed.
+
+    ``start``: the index of the symbol that allocated it (0 for the trace's inputs, which the caller passes);
+    ``OUTSIDE`` for an allocation held outside the traces. ``end``: the index where it was freed, None when it
+    outlives the trace. ``external``: held by someone other than the trace, which never frees it. ``module``:
+    the model's module whose parameters its symbol reads (a gathered parameter's own name); ``after``: where it
+    reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
+    tell."""
+
+    name: str
+    nbytes: int
+    category: Category
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    symbol: str = ""
+    source: str | None = None
+    start: int = OUTSIDE
+    end: int | None = None
+    external: bool = False
+    module: str | None = None
+    after: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What a reader can place: the module and its op (``transformer.h.3.mlp.fc: linear``), an op after a
+        module (``to after transformer.h.3.mlp.fc``), a gathered parameter by its name, else the allocation's own
+        name."""
+        if self.module is not None:
+            if self.category is Category.GATHERED_PARAMETER:
+                return f"{self.module} (gathered)"
+            return f"{self.module}: {self.symbol}"
+        return f"{self.symbol} after {self.after}" if self.after is not None else self.name
+
+    def live_at(self, index: int) -> bool:
+        return self.start <= index and (self.end is None or index < self.end)
+
+
+@dataclass(frozen=True, slots=True)
+class OpMemory:
+    """What one bound symbol does to memory: the allocations it ``made`` and those ``freed`` at it (indices into
+    ``MemoryTimeline.allocations``), whether they were freed while it ran (``freed_first``: before its peak, as a
+    wait releases the input it held) or after it (a ``del``), and its ``workspace`` bytes at its peak."""
+
+    made: tuple[int, ...]
+    freed: tuple[int, ...]
+    freed_first: bool
+    workspace: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTimeline:
+    """Result of ``analyze``. Indices are positions in ``trace.bound_symbols``.
+
+    ``timeline[i]``: live bytes after bound symbol i (frees of a ``del`` at i included); the trace's inputs count
+    from the start, wherever the trace unpacks them.
+    ``op_peaks[i]``: live bytes while bound symbol i runs: what was live, its outputs and its workspace.
+    ``peak_bytes`` is ``max(op_peaks)``; ``live_at_peak`` lists the allocations alive then, its workspace
+    included, so their sizes add up to ``peak_bytes``.
+    ``outputs`` maps each name the trace returns to its index in ``allocations``.
+    """
+
+    peak_bytes: int
+    peak_index: int
+    peak_symbol: str
+    timeline: tuple[int, ...]
+    op_peaks: tuple[int, ...]
+    live_at_peak: tuple[Allocation, ...]
+    allocations: tuple[Allocation, ...]
+    outputs: Mapping[str, int]
+    symbols: tuple[str, ...]
+    unknown_symbols: tuple[str, ...] = ()
+
+    @property
+    def final_bytes(self) -> int:
+        return self.timeline[-1] if self.timeline else 0
+
+    def live_at(self, index: int) -> tuple[Allocation, ...]:
+        return tuple(a for a in self.allocations if a.live_at(index))
+
+    def ops(self) -> tuple[OpMemory, ...]:
+        """What each bound symbol does to memory, in order (the trace's inputs are alive before the first)."""
+        made: dict[int, list[int]] = {}
+        freed: dict[int, list[int]] = {}
+        live = 0
+        for j, a in enumerate(self.allocations):
+            if a.symbol == "input":
+                live += a.nbytes
+            else:
+                made.setdefault(a.start, []).append(j)
+            if a.end is not None:
+                freed.setdefault(a.end, []).append(j)
+        out = []
+        for i, peak in enumerate(self.op_peaks):
+            made_i, freed_i = tuple(made.get(i, ())), tuple(freed.get(i, ()))
+            new = sum(self.allocations[j].nbytes for j in made_i)
+            gone = sum(self.allocations[j].nbytes for j in freed_i)
+            first = live + new > peak  # released while the symbol ran (a wait's held input), not after it
+            out.append(OpMemory(made_i, freed_i, first, max(0, peak - (live + new - (gone if first else 0)))))
+            live += new - gone
+        return tuple(out)
+
+    def bytes_by_category(self, allocations: tuple[Allocation, ...] | None = None) -> dict[Category, int]:
+        out: dict[Category, int] = {}
+        for a in self.live_at_peak if allocations is None else allocations:
+            out[a.category] = out.get(a.category, 0) + a.nbytes
+        return out
