@@ -2,13 +2,13 @@
 
 One configuration per process (a fresh ``torchrun`` for Thunder's fsdp), so that no run's caches shape another's:
 
-    python benchmarks/accuracy.py --device cuda --model stablecode-completion-alpha-3b --n-layers 4 \\
+    python -m benchmarks.accuracy --device cuda --model stablecode-completion-alpha-3b --n-layers 4 \\
         --block-size 4096 --mode jit
-    torchrun --nproc-per-node 2 benchmarks/accuracy.py --device cuda ... --mode fsdp --shard zero2
+    torchrun --nproc-per-node 2 -m benchmarks.accuracy --device cuda ... --mode fsdp --shard zero2
 
 and a matrix of them, printed as a Markdown table (and written with ``--out``):
 
-    python benchmarks/accuracy.py --matrix --device cuda --n-layers 4 32 --block-size 4096 8192 \\
+    python -m benchmarks.accuracy --matrix --device cuda --n-layers 4 32 --block-size 4096 8192 \\
         --modes jit fsdp-zero2 fsdp-zero3 --nproc-per-node 2 --out docs/accuracy-gpu.md
 
 Measured: ``torch.cuda.max_memory_allocated()`` on GPU, the profiler's live bytes on CPU (``CPUMemory``, as
@@ -28,10 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from thunder_fsdp_mem.training import runtime  # noqa: E402
+from benchmarks.launch import torchrun
+from benchmarks.options import add_override
+from thunder_fsdp_mem.training import runtime
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,13 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, nargs="+", default=[4])
     p.add_argument("--block-size", type=int, nargs="+", default=[4096])
     p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="FIELD=INT",
-        help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model",
-    )
+    add_override(p)
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--mode", choices=("jit", "fsdp"), default="jit", help="one configuration: thunder.jit or fsdp")
     p.add_argument("--shard", choices=runtime.SHARDS, default="zero2")
@@ -190,25 +183,22 @@ def run_matrix(args) -> list[dict]:
             env = dict(os.environ)
             if args.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
-            cmd = [sys.executable, __file__, *_common(args, n_layers, block_size), "--mode", "jit"]
+            cmd = [sys.executable, "-m", "benchmarks.accuracy", *_common(args, n_layers, block_size), "--mode", "jit"]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
         for proc, run in zip(procs, single[batch_start : batch_start + args.parallel]):
             out, err = proc.communicate()
             results.append(_collect(run, out, err, proc.returncode))
     for n_layers, block_size, mode in multi:
-        cmd = [
-            sys.executable,
+        cmd = torchrun(
+            args.nproc_per_node,
             "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc_per_node}",
-            __file__,
+            "benchmarks.accuracy",
             *_common(args, n_layers, block_size),
             "--mode",
             "fsdp",
             "--shard",
             mode.split("-")[1],
-        ]
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
         results.append(_collect((n_layers, block_size, mode), proc.stdout, proc.stderr, proc.returncode))
     return results

@@ -1,6 +1,6 @@
 """Thunder with FSDPMemoryTransform against Thunder without it: the loss and every gradient, bit for bit.
 
-    python benchmarks/bitwise.py --device cuda [--deterministic] [--model stablecode-completion-alpha-3b]
+    python -m benchmarks.bitwise --device cuda [--deterministic] [--model stablecode-completion-alpha-3b]
         [--n-layers 1] [--block-size 2048] [--executors default+cat|default|fused] [--dtype bf16|fp32]
         [--override FIELD=INT ...] [--budget-fraction 0.95] [--least-peak] [--thunderfx]
 
@@ -19,18 +19,15 @@ unless ``--deterministic`` sets ``torch.use_deterministic_algorithms``; export `
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import thunder
+import torch
+from thunder.dynamo import ThunderCompiler
 
-import thunder  # noqa: E402
-import torch  # noqa: E402
-from thunder.dynamo import ThunderCompiler  # noqa: E402
-
-from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step  # noqa: E402
-from thunder_fsdp_mem.training import models, runtime  # noqa: E402
+from benchmarks.options import add_override
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
+from thunder_fsdp_mem.training import models, runtime
 
 EVERYTHING = "everything (the default)"
 VARIANTS = {
@@ -77,13 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=2048)
     p.add_argument("--executors", choices=runtime.EXECUTOR_CHOICES, default="default+cat")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument(
-        "--override",
-        action="append",
-        default=[],
-        metavar="FIELD=INT",
-        help="litgpt Config field to override (repeatable), e.g. n_embd=128, to shrink a model",
-    )
+    add_override(p)
     p.add_argument(
         "--budget-fraction",
         type=float,

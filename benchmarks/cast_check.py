@@ -1,7 +1,7 @@
 """Which elementwise ops ATen runs on bf16 and f16 exactly as "upcast to float32, the op, round back": the check
 behind the tables of ``thunder_fsdp_mem/passes/casts.py``.
 
-    python benchmarks/cast_check.py [--device cuda]
+    python -m benchmarks.cast_check [--device cuda]
 
 For each op it compares ``op(x)`` with ``op(x.float()).to(dtype)`` bit for bit (results that are NaN on both sides
 count as equal) and prints one line per op and dtype: the number of values that differ. Unary ops and ops with a
@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-UNARY = {
+UNARY_OPS = {  # one tensor in, one out; by the name of Thunder's symbol (as ``casts.FOLDABLE`` names them)
     "neg": torch.neg,
     "abs": torch.abs,
     "exp": torch.exp,
@@ -31,8 +31,8 @@ UNARY = {
     "sin": torch.sin,
     "sqrt": torch.sqrt,
     "erf": torch.erf,
-    "pow": lambda x: torch.pow(x, 3.0),
 }
+UNARY = {**UNARY_OPS, "pow": lambda x: torch.pow(x, 3.0)}
 BINARY = {
     "add": lambda a, b: torch.add(a, b, alpha=1),
     "sub": lambda a, b: torch.sub(a, b, alpha=1),

@@ -1,6 +1,6 @@
 """Training curves of several modes on one fixed data stream, side by side: do their losses stay together?
 
-    python benchmarks/curves.py --model stablecode-completion-alpha-3b --n-layers 12 --block-size 4096 \\
+    python -m benchmarks.curves --model stablecode-completion-alpha-3b --n-layers 12 --block-size 4096 \\
         --steps 200 --modes fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor \\
         --json curves.json --plot curves.png
 
@@ -24,20 +24,17 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from compare import UsageError, _Parser, split_variant  # noqa: E402
-
-from thunder_fsdp_mem.config import MemoryConfig  # noqa: E402
-from thunder_fsdp_mem.training import modes as mode_table  # noqa: E402
-from thunder_fsdp_mem.training import runtime  # noqa: E402
+from benchmarks.launch import torchrun
+from benchmarks.options import UsageError, UsageParser
+from benchmarks.variants import split_variant
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.training import modes as mode_table
+from thunder_fsdp_mem.training import runtime
 
 SUCCESSORS = 8
 ACTIVE = 1024  # token ids the chain runs over: learnt within a few hundred steps
@@ -46,7 +43,7 @@ TAIL = 20
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(description="Training curves of several modes on one fixed data stream.")
+    p = UsageParser(description="Training curves of several modes on one fixed data stream.")
     p.add_argument("--model", default="stablecode-completion-alpha-3b", help="litgpt configuration name")
     p.add_argument("--n-layers", type=int, default=None, help="number of blocks (default: the model's)")
     p.add_argument("--block-size", type=int, default=4096, help="sequence length of a step (default 4096)")
@@ -128,13 +125,10 @@ def worker(args) -> int:
 
 
 def run_mode(args, mode: str) -> dict:
-    cmd = [
-        sys.executable,
+    cmd = torchrun(
+        args.nproc_per_node,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc_per_node}",
-        str(Path(__file__).resolve()),
+        "benchmarks.curves",
         "--worker",
         mode,
         "--model",
@@ -150,10 +144,9 @@ def run_mode(args, mode: str) -> dict:
         "--device",
         args.device,
         *(["--n-layers", str(args.n_layers)] if args.n_layers else []),
-    ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    )
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "status": f"timeout after {args.timeout:g} s"}
     ranks = [r for r in runtime.read_results(proc.stdout) if r["rank"] == 0]

@@ -1,8 +1,8 @@
 """Peak memory against step time, one point per measured mode of ``benchmarks/compare.py`` (its ``--json``): the
 trade-off a memory budget makes, set beside torch.compile's ``activation_memory_budget`` and full checkpointing.
 
-    python benchmarks/plot_tradeoff.py curve.json --out curve.png
-    python benchmarks/plot_tradeoff.py thunder.json inductor.json --out headline.png --cap-gb 80
+    python -m benchmarks.plot_tradeoff curve.json --out curve.png
+    python -m benchmarks.plot_tradeoff thunder.json inductor.json --out headline.png --cap-gb 80
 
 Points of one family are joined in order of peak: Thunder with the transform (``+mem``, each budget), Thunder
 without it, torch.compile at each ``activation_memory_budget`` (``@amb=``), torch.compile with every block

@@ -5,7 +5,7 @@ drain the device after each phase, as the timed ones do). One process per mode, 
 ``--trace-dir`` keeps each mode's profile as a Chrome trace. Modes take ``compare.py``'s options
 (``thunder+mem@ex=fused@budget=13GiB``, ``inductor@amb=0.5``).
 
-    python benchmarks/profile_step.py --n-layers 12 --block-size 8192 \
+    python -m benchmarks.profile_step --n-layers 12 --block-size 8192 \
         --modes thunder@ex=fused,inductor --json profile.json
 
 A diagnosis, not a table for ``docs/results.md``: the profiler's own overhead lengthens the profiled steps, so the
@@ -23,8 +23,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KINDS = (  # (kind, substrings of the kernel's name), first match wins
     ("attention", ("flash", "fmha", "attention", "attn")),
@@ -67,7 +65,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         cmd = [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            "benchmarks.profile_step",
             "--worker",
             mode,
             "--model",
@@ -169,7 +168,7 @@ def worker(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from compare import split_variant
+    from benchmarks.variants import split_variant
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.training import models, modes, runtime
 

@@ -1,7 +1,7 @@
 """Saved bytes against recomputation traffic, per layer, for several ``recompute_weight`` values: the plan's own
 figures (``recompute.plan_saved``) on a litgpt model traced on the meta device, no GPU and no memory needed.
 
-    python benchmarks/recompute_tradeoff.py --model stablecode-completion-alpha-3b --block-size 8192 [--no-fold]
+    python -m benchmarks.recompute_tradeoff --model stablecode-completion-alpha-3b --block-size 8192 [--no-fold]
 
 It traces the model with 1 and with 2 layers and prints the difference (one layer's worth), then what
 ``reorder`` makes of the 2-layer pair at the default weight. On the meta device
@@ -12,18 +12,14 @@ H200; without that, attention is decomposed and saves its whole score matrix.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import thunder
+import thunder.executors.sdpaex as sdpaex
 
-import thunder  # noqa: E402
-import thunder.executors.sdpaex as sdpaex  # noqa: E402
-
-from thunder_fsdp_mem.passes import casts, recompute, reorder  # noqa: E402
-from thunder_fsdp_mem.training import models  # noqa: E402
-from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT  # noqa: E402
-from thunder_fsdp_mem.analysis.step import estimate_traces  # noqa: E402
+from thunder_fsdp_mem.passes import casts, recompute, reorder
+from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT
+from thunder_fsdp_mem.analysis.step import estimate_traces
 
 WEIGHTS = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.2, 0.3, 1.0)
 

@@ -2,26 +2,24 @@
 configurations of each litgpt family (CPU; parameters and inputs excluded; counted with
 ``torch.autograd.graph.saved_tensors_hooks``, which sees eager autograd and Thunder's autograd function alike).
 
-    python benchmarks/saved_vs_eager.py [--n-layers 2]
+    python -m benchmarks.saved_vs_eager [--n-layers 2]
+
+The configurations and the count are the tests' (``tests/configs.py``, ``tests/support.py``, read from the
+repository root as the namespace package ``tests``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import thunder
+import torch
 
-import thunder  # noqa: E402
-import torch  # noqa: E402
-
-from configs import BY_NAME  # noqa: E402
-from support import saved_bytes  # noqa: E402
-from thunder_fsdp_mem import FSDPMemoryTransform  # noqa: E402
-from thunder_fsdp_mem.training import models  # noqa: E402
+from tests.configs import BY_NAME
+from tests.support import saved_bytes
+from thunder_fsdp_mem import FSDPMemoryTransform
+from thunder_fsdp_mem.training import models
 
 
 def measure(spec, dtype, transforms=None) -> int:

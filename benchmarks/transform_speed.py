@@ -1,7 +1,7 @@
 """How long FSDPMemoryTransform takes against Thunder's own compilation, for a litgpt model traced on the meta
 device (no memory, no compute: Thunder runs every op for its shapes only).
 
-    python benchmarks/transform_speed.py --model stablecode-completion-alpha-3b --n-layers 32 --block-size 8192
+    python -m benchmarks.transform_speed --model stablecode-completion-alpha-3b --n-layers 32 --block-size 8192
 
 The traces are those the GPU runs (``--device-type cuda``, the benchmark's executors): attention's kernel, the
 torch.compile executors' claims and the casts the transform folds are CUDA's (``meta.as_on``). Prints
@@ -12,17 +12,13 @@ the pass driver records for every pass, checks and estimates included), and what
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import thunder
 
-import thunder  # noqa: E402
-
-from thunder_fsdp_mem.predict import meta  # noqa: E402
-from thunder_fsdp_mem.training import models, runtime  # noqa: E402
-from thunder_fsdp_mem.transform import FSDPMemoryTransform  # noqa: E402
+from thunder_fsdp_mem.predict import meta
+from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 
 def compile_seconds(spec: models.ModelSpec, transforms: list, device_type: str, executors: str) -> tuple[float, object]:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from benchmarks.launch import torchrun as torchrun_command
 from thunder_fsdp_mem.training import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,15 +31,7 @@ def memtracker_peak(fn, *args, tracked=(), backward: bool = True) -> int:
 def torchrun(script: str, *script_args: str, nproc: int = 2, timeout: int = 900) -> list[dict]:
     """Run ``tests/<script>`` on ``nproc`` gloo ranks; each rank prints one JSON line prefixed ``RESULT ``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(ROOT / "tests" / script),
-        *script_args,
-    ]
+    cmd = torchrun_command(nproc, str(ROOT / "tests" / script), *script_args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

@@ -2,15 +2,14 @@
 traces they came from compute, with fewer casts and less memory."""
 
 import dataclasses
-import sys
 
 import pytest
 import thunder
 import torch
 from thunder.core.pytree import tree_flatten
 
+from benchmarks.cast_check import UNARY_OPS, differ, every_value
 from configs import BY_NAME
-from support import ROOT
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis import symbols as ops
@@ -18,24 +17,8 @@ from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes import casts
 from thunder_fsdp_mem.training import models
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from cast_check import differ, every_value  # noqa: E402
-
 TORCH_OPS = {
-    "neg": torch.neg,
-    "abs": torch.abs,
-    "exp": torch.exp,
-    "expm1": torch.expm1,
-    "log": torch.log,
-    "log1p": torch.log1p,
-    "tanh": torch.tanh,
-    "sigmoid": torch.sigmoid,
-    "rsqrt": torch.rsqrt,
-    "reciprocal": torch.reciprocal,
-    "cos": torch.cos,
-    "sin": torch.sin,
-    "sqrt": torch.sqrt,
-    "erf": torch.erf,
+    **UNARY_OPS,
     "add": torch.add,
     "sub": torch.sub,
     "mul": torch.mul,

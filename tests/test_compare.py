@@ -1,5 +1,5 @@
-"""benchmarks/compare.py on CPU: every mode but the CUDA-only one runs and is measured (the allocations torch's
-profiler records, 2 gloo ranks); bad input exits 2 with one line."""
+"""``python -m benchmarks.compare`` on CPU: every mode but the CUDA-only one runs and is measured (the allocations
+torch's profiler records, 2 gloo ranks); bad input exits 2 with one line."""
 
 import json
 import subprocess
@@ -7,13 +7,27 @@ import sys
 
 import pytest
 
+from benchmarks.compare_table import merge
 from support import ROOT
 
-SCRIPT = str(ROOT / "benchmarks" / "compare.py")
+CPU = "--device cpu --nproc-per-node 2 --model pythia-14m".split()  # 2 gloo ranks, a small model
 
 
 def _run(*args, timeout=1500):
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.compare", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _reported_plans(mode: str, tmp_path) -> list[dict]:
+    """``thunder-fsdp-mem report --transform`` of the comparison's configuration in ``mode`` over 2 fake ranks: the
+    plan without the transform, then with it."""
+    from thunder_fsdp_mem.cli import main
+
+    out = tmp_path / "report.json"
+    report = "report --model pythia-14m --n-layers 2 --block-size 128 --world-size 2 --shard zero2 --device cpu"
+    assert main([*report.split(), "--mode", mode, "--transform", "--json", str(out)]) == 0
+    return json.loads(out.read_text())["plans"]
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +35,7 @@ def comparison(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "out.json"
     plot = out.with_suffix(".png")
     proc = _run(
-        "--device",
-        "cpu",
-        "--nproc-per-node",
-        "2",
-        "--model",
-        "pythia-14m",
-        "--n-layers",
-        "2",
-        "--block-size",
-        "128",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--json",
-        str(out),
-        "--plot",
-        str(plot),
+        *CPU, *"--n-layers 2 --block-size 128 --steps 3 --warmup 1".split(), "--json", str(out), "--plot", str(plot)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc, plot
@@ -91,28 +88,8 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
     # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; the measured peaks must be
     # those of the modes run one after the other.
     out = tmp_path / "jobs.json"
-    proc = _run(
-        "--device",
-        "cpu",
-        "--nproc-per-node",
-        "2",
-        "--model",
-        "pythia-14m",
-        "--n-layers",
-        "2",
-        "--block-size",
-        "128",
-        "--steps",
-        "1",
-        "--warmup",
-        "1",
-        "--modes",
-        "thunder-fsdp,fsdp2-eager",
-        "--jobs",
-        "2",
-        "--json",
-        str(out),
-    )
+    options = "--n-layers 2 --block-size 128 --steps 1 --warmup 1 --modes thunder-fsdp,fsdp2-eager --jobs 2"
+    proc = _run(*CPU, *options.split(), "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     alone = {r["mode"]: r for r in comparison[0]["rows"]}
     for row in json.loads(out.read_text())["rows"]:
@@ -155,35 +132,7 @@ def test_bad_input_exits_2_with_one_line(args, message):
 def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path, capsys):
     # `thunder-fsdp-mem report` traces on the meta device over 2 fake ranks; the rows were measured
     # on 2 real gloo ranks running the same step (GPT, eager cross-entropy, AdamW).
-    from thunder_fsdp_mem.cli import main
-
-    out = tmp_path / "report.json"
-    assert (
-        main(
-            [
-                "report",
-                "--model",
-                "pythia-14m",
-                "--n-layers",
-                "2",
-                "--block-size",
-                "128",
-                "--mode",
-                "thunder-fsdp",
-                "--world-size",
-                "2",
-                "--shard",
-                "zero2",
-                "--device",
-                "cpu",
-                "--transform",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    without, with_it = json.loads(out.read_text())["plans"]
+    without, with_it = _reported_plans("thunder-fsdp", tmp_path)
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
     for plan, mode in ((without, "thunder-fsdp"), (with_it, "thunder-fsdp+mem")):
         measured = rows[mode]["peak_bytes"]
@@ -194,35 +143,7 @@ def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     # --mode fsdp2 composes one ThunderFX block graph traced on meta with what FSDP2 holds, per rank; the rows
     # were measured on 2 gloo ranks running FSDP2 (zero2) through ThunderFX, compiled (under MemTracker, a
     # dispatch mode, Dynamo would have run the step eagerly).
-    from thunder_fsdp_mem.cli import main
-
-    out = tmp_path / "report.json"
-    assert (
-        main(
-            [
-                "report",
-                "--model",
-                "pythia-14m",
-                "--n-layers",
-                "2",
-                "--block-size",
-                "128",
-                "--mode",
-                "fsdp2",
-                "--world-size",
-                "2",
-                "--shard",
-                "zero2",
-                "--device",
-                "cpu",
-                "--transform",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    without, with_it = json.loads(out.read_text())["plans"]
+    without, with_it = _reported_plans("fsdp2", tmp_path)
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
     for plan, mode in ((without, "fsdp2-thunder"), (with_it, "fsdp2-thunder+mem")):
         measured = rows[mode]["peak_bytes"]
@@ -236,52 +157,15 @@ def test_an_oom_on_one_rank_in_a_transformed_step_is_an_oom_row_and_no_rank_hang
     import time
 
     start = time.perf_counter()
-    proc = _run(
-        "--device",
-        "cpu",
-        "--nproc-per-node",
-        "2",
-        "--model",
-        "pythia-14m",
-        "--n-layers",
-        "1",
-        "--block-size",
-        "64",
-        "--steps",
-        "1",
-        "--warmup",
-        "1",
-        "--modes",
-        "thunder-fsdp+mem",
-        "--inject-oom",
-        "1",
-        "--timeout",
-        "600",
-        timeout=700,
-    )
+    options = "--n-layers 1 --block-size 64 --steps 1 --warmup 1 --modes thunder-fsdp+mem --inject-oom 1 --timeout 600"
+    proc = _run(*CPU, *options.split(), timeout=700)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| thunder-fsdp+mem | OOM |" in proc.stdout
     assert time.perf_counter() - start < 600
 
 
 def test_a_mode_past_its_timeout_ends_with_its_ranks():
-    proc = _run(
-        "--device",
-        "cpu",
-        "--nproc-per-node",
-        "2",
-        "--model",
-        "pythia-14m",
-        "--n-layers",
-        "1",
-        "--block-size",
-        "64",
-        "--modes",
-        "fsdp2-eager",
-        "--timeout",
-        "1",
-        timeout=300,
-    )
+    proc = _run(*CPU, *"--n-layers 1 --block-size 64 --modes fsdp2-eager --timeout 1".split(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fsdp2-eager | timeout after 1 s |" in proc.stdout
 
@@ -289,16 +173,13 @@ def test_a_mode_past_its_timeout_ends_with_its_ranks():
 def test_an_oom_row_keeps_the_most_any_rank_held():
     # What each rank's worker reports when it runs out on CUDA (CPU ranks have no such figures): the row keeps the
     # largest, as the other figures of a row are the maximum over ranks.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import compare
-
     oom = {"status": "OOM", "estimated_peak_bytes": 70, "allocated_at_oom_bytes": 75, "reserved_at_oom_bytes": 80}
     waiting = {
         "status": "error: the collective's peer exited",
         "estimated_peak_bytes": 70,
         "allocated_at_oom_bytes": None,
     }
-    row = compare._merge("thunder+mem", [waiting, oom])
+    row = merge("thunder+mem", [waiting, oom])
     assert (row["status"], row["allocated_at_oom_bytes"], row["reserved_at_oom_bytes"]) == ("OOM", 75, 80)
     cpu = {"status": "OOM", "estimated_peak_bytes": 70}
-    assert "allocated_at_oom_bytes" not in compare._merge("thunder", [cpu, cpu])
+    assert "allocated_at_oom_bytes" not in merge("thunder", [cpu, cpu])

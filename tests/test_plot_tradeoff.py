@@ -7,12 +7,10 @@ import sys
 
 import pytest
 
+from benchmarks import plot_tradeoff
 from support import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import plot_tradeoff  # noqa: E402
-
-SCRIPT = str(ROOT / "benchmarks" / "plot_tradeoff.py")
+SCRIPT = [sys.executable, "-m", "benchmarks.plot_tradeoff"]  # run from the repository root
 GIB = 2**30
 CONFIG = {
     "model": "m",
@@ -69,7 +67,8 @@ def test_the_plot_is_written_and_what_did_not_run_is_listed(tmp_path):
         paths[-1].write_text(json.dumps(run))
     out = tmp_path / "plot.png"
     proc = subprocess.run(
-        [sys.executable, SCRIPT, *map(str, paths), "--out", str(out), "--cap-gb", "80"],
+        [*SCRIPT, *map(str, paths), "--out", str(out), "--cap-gb", "80"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -92,7 +91,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, other, message):
     first.write_text(json.dumps(THUNDER if message != "no row ran" else other))
     second.write_text(other if isinstance(other, str) else json.dumps(other))
     proc = subprocess.run(
-        [sys.executable, SCRIPT, str(first), str(second), "--out", str(tmp_path / "p.png")],
+        [*SCRIPT, str(first), str(second), "--out", str(tmp_path / "p.png")],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,16 +1,12 @@
 """benchmarks/profile_step.py: a step's phases as the profiler sees them. The ops of an eager step land in the
 phase that ran them, by the op names torch's own profiler records; kernels are named by kind."""
 
-import sys
 from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from support import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import profile_step  # noqa: E402
+from benchmarks import profile_step
 
 
 def test_each_op_of_a_step_lands_in_the_phase_that_ran_it():
