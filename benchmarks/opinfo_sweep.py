@@ -247,9 +247,15 @@ def _compare(cases: list[Case], executors: list, choice: str, transform) -> tupl
 
 
 def sweep(
-    names: list[str] | None, dtypes: list[str], device: str, choices: list[str], lengths: tuple[int, ...] = ()
+    names: list[str] | None,
+    dtypes: list[str],
+    device: str,
+    choices: list[str],
+    lengths: tuple[int, ...] = (),
+    log: Path | None = None,
 ) -> list[Outcome]:
-    """Every case of the named OpInfos (None: all) in one process."""
+    """Every case of the named OpInfos (None: all) in one process, each jitted on its own; each outcome is also
+    appended to ``log`` as a JSON line as soon as it is known (what a run cut short leaves)."""
     from thunder.core import devices
 
     warnings.filterwarnings("ignore")
@@ -269,15 +275,17 @@ def sweep(
             except Exception as e:  # noqa: BLE001 - the OpInfo cannot make samples here
                 found.append(Outcome(opinfo.name, dtype_name, -1, "-", "skipped", f"samples: {e}"[:300]))
                 continue
-            batch = [Case(opinfo, dtype_name, index, sample) for index, sample in enumerate(cases)]
-            for choice in choices:
-                found += check(batch, choice)
+            for index, sample in enumerate(cases):
+                for choice in choices:
+                    found += check([Case(opinfo, dtype_name, index, sample)], choice)
+                    if log is not None:
+                        with log.open("a") as f:
+                            f.write(json.dumps(dataclasses.asdict(found[-1])) + "\n")
     return found
 
 
 def _shard(job: tuple) -> list[dict]:
-    names, dtypes, device, choices, lengths = job
-    return [dataclasses.asdict(o) for o in sweep(names, dtypes, device, choices, lengths)]
+    return [dataclasses.asdict(o) for o in sweep(*job)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", nargs="*", type=int, default=[], help="extra elementwise lengths, e.g. 1 3 7 17 67")
     p.add_argument("--jobs", type=int, default=1, help="processes, each a share of the OpInfos (default 1)")
     p.add_argument("--out", type=Path, default=None, help="write every outcome as JSON here")
+    p.add_argument("--log", type=Path, default=None, help="append each outcome here as a JSON line as it comes")
     args = p.parse_args(argv)
     names = args.ops or [o.name for o in _opinfos()]
     jobs = [
-        (names[i :: args.jobs], args.dtypes, args.device, args.executors, tuple(args.lengths)) for i in range(args.jobs)
+        (names[i :: args.jobs], args.dtypes, args.device, args.executors, tuple(args.lengths), args.log)
+        for i in range(args.jobs)
     ]
     if args.jobs == 1:
         rows = _shard(jobs[0])

@@ -8,7 +8,7 @@ import thunder
 import torch
 from thunder.core.pytree import tree_flatten
 
-from benchmarks.cast_check import UNARY_OPS, differ, every_value
+from benchmarks.cast_check import UNARY_OPS, differ, every_value, small_lengths
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis import device
@@ -63,33 +63,7 @@ def test_the_cpu_tables_hold_at_every_small_length_strided_and_broadcast(low, dt
     # length from 1 to 67, contiguous, strided and an expanded view, binary ops also against a broadcast operand,
     # ops with a number with exact numbers and the inexact ones the table allows. CPU rsqrt, out of the table,
     # differs here (in about a third of the values): it is counted too, to show the check can fail.
-    g = torch.Generator().manual_seed(0)
-    wrong = {}
-
-    def count(name, got, want):
-        wrong[name] = wrong.get(name, 0) + differ(got, want)
-
-    for n in range(1, 68):
-        bits = torch.randint(-32768, 32768, (2 * n + 3,), generator=g, dtype=torch.int32).to(torch.int16)
-        for x in (bits.view(dtype), (torch.randn(2 * n + 3, generator=g) * 4).to(dtype)):
-            views = (x[:n], x[1 : 2 * n + 1 : 2], x[:n].view(n, 1).expand(n, 3)[:, 1])
-            for name in (*casts.FOLDABLE["cpu"][low], "rsqrt"):
-                f = TORCH_OPS[name]
-                for v in views:
-                    if name not in BINARY:
-                        count(name, f(v), f(v.float()).to(dtype))
-                        continue
-                    for w in (x[n : 2 * n], x[2:3]):
-                        count(name, f(v, w), f(v.float(), w.float()).to(dtype))
-                    row, column = x[:n].view(n, 1), x[n : n + 3].view(1, 3)
-                    count(name, f(row, column), f(row.float(), column.float()).to(dtype))
-            for name in ("add", "sub", "mul", "true_divide"):
-                for position in (0, 1):
-                    numbers = (0.5, -2.0, *(INEXACT if (name, position) in casts.INEXACT_NUMBER["cpu"] else ()))
-                    for v, c in ((v, c) for v in views[:2] for c in numbers):
-                        args = (c, v) if position == 0 else (v, c)
-                        wide = (c, v.float()) if position == 0 else (v.float(), c)
-                        count(f"{name} with a number", TORCH_OPS[name](*args), TORCH_OPS[name](*wide).to(dtype))
+    wrong = small_lengths("cpu", dtype, [*casts.FOLDABLE["cpu"][low], "rsqrt"], casts.INEXACT_NUMBER["cpu"])
     assert wrong.pop("rsqrt") > 0  # the check sees what took rsqrt out of the table
     assert {k: v for k, v in wrong.items() if v} == {}
 
