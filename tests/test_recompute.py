@@ -1,5 +1,5 @@
-"""recompute.plan_saved / apply_plan on a small hand-checked program: what Thunder saves, what the cut saves
-instead (figures computed by hand), and that the rewritten pair runs to the same results."""
+"""recompute.plan_saved / apply_plan (``mincut``, ``plan_rewrite``) on a small hand-checked program: what Thunder
+saves, what the cut saves instead (figures computed by hand), and that the rewritten pair runs to the same results."""
 
 import pytest
 import thunder
@@ -10,7 +10,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
 from thunder_fsdp_mem.analysis.cost import op_traffic
-from thunder_fsdp_mem.passes import checks, recompute
+from thunder_fsdp_mem.passes import checks, plan_rewrite, recompute
 
 
 def f(x, w):
@@ -69,7 +69,7 @@ def test_a_repeated_cheap_symbol_runs_once_and_its_readers_read_the_first():
 
     a = torch.randn(4, 4, dtype=torch.bfloat16)
     trace = thunder.trace()(g, a)
-    kept = recompute._drop_repeats(list(trace.bound_symbols))
+    kept = plan_rewrite._drop_repeats(list(trace.bound_symbols))
     assert [b.sym.name for b in trace.bound_symbols].count("to") == 2
     assert [b.sym.name for b in kept].count("to") == 1
     deduped = thunder.core.trace.from_trace(trace)
@@ -87,7 +87,7 @@ def test_a_repeated_symbol_the_trace_returns_is_kept():
         return ltorch.sum(a, (0, 1)), ltorch.sum(a, (0, 1)), ltorch.sum(a, (0, 1)) * 2
 
     trace = thunder.trace()(g, torch.randn(2, 4, 8))
-    kept = recompute._drop_repeats(list(trace.bound_symbols))
+    kept = plan_rewrite._drop_repeats(list(trace.bound_symbols))
     deduped = thunder.core.trace.from_trace(trace)
     deduped.bound_symbols = kept
     checks.check_program(deduped)

@@ -82,16 +82,8 @@ def plain_traces():
 
 def test_every_pass_off_leaves_the_traces_alone(plain_traces):
     forward, backward = plain_traces[0][-1], plain_traces[1]
-    transform = FSDPMemoryTransform(
-        MemoryConfig(
-            fold_casts=False,
-            rematerialize=False,
-            fusion_rematerialize=False,
-            reorder=False,
-            gathers=False,
-            scatters=False,
-        )
-    )
+    switches = ("fold_casts", "rematerialize", "fusion_rematerialize", "reorder", "gathers", "scatters")
+    transform = FSDPMemoryTransform(MemoryConfig(**dict.fromkeys(switches, False)))
     assert transform.transform_trace_post_optimization(forward) is forward
     assert transform.transform_trace_post_optimization(backward) is backward
 

@@ -22,7 +22,8 @@ from thunder.distributed import FSDPType
 from thunder_fsdp_mem.analysis.step import parameter_order
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
-from thunder_fsdp_mem.passes.pipeline import cap_shortfall, estimator, pipeline
+from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator
+from thunder_fsdp_mem.passes.pipeline import pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 

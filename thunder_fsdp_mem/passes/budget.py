@@ -1,9 +1,15 @@
 """Fit a memory budget: recompute more of the forward in backward, matmuls and attention included, choosing what
 to recompute by the least estimated time per byte of peak removed, until the step's estimated peak fits.
 
-Entry point: ``fit(forward, backward, *, excess, judge, recompute_weight, rates) -> Fit``.
+Entry point: ``fit(forward, backward, *, excess, judge, recompute_weight, rates) -> Fit``. As the
+rematerialization pass runs it (``recompute.PASS``, under ``MemoryConfig.budgeted``): ``propose(pair, context,
+config) -> Proposal``, the plan that fits ``config``'s budgets, with a warning that names the least peak reachable
+where they cannot be met (``unmet_warning``). What judges the plans, and every pass: ``estimator(config, pair)``,
+``step.estimate_traces`` with the loss and the optimizer state a memory budget counts; with a memory cap,
+``cap_shortfall(config)`` too: the caching allocator replayed over the step under the cap
+(``allocator.over_cap``), which a plan must pass as well as the budget, and no later pass may make worse.
 
-``recompute.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
+``mincut.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
 expensive ops run again (``cost.op_seconds``): each second of recomputation costs ``price`` bytes. At a high price
 it is the cut without them (cheap ops only); at price 0 it saves the least the forward can save. The cut counts
 saved bytes, not when the backward holds what it recomputes: where one recomputed expensive op feeds another (a
@@ -16,7 +22,7 @@ recomputes least while it fits is the one at the highest price that fits. Saving
 the cut without a price, then ``GRID`` prices from the highest down to 0; if one fits, it bisects the price's
 logarithm between the highest that fits and the next above it; if none fits, the budget cannot be met
 (``Fit.reached`` is False) and the plan nearest to it among those tried is the answer. Every candidate is the
-pair as it came, rewritten by ``recompute.apply_plan`` and judged by ``judge`` (the transform's estimate of the
+pair as it came, rewritten by ``plan_rewrite.apply_plan`` and judged by ``judge`` (the transform's estimate of the
 step, with the loss and the optimizer state it is told of); ``excess`` says by how many bytes an estimate is over
 the budget (0: it fits). Alike expensive ops (each block's fused region) cost alike, so they flip together at one
 price: the plan found is then refined to recompute the fewest of those that fit (``_fewer``: the earliest in
@@ -31,16 +37,24 @@ DROPS)`` for n alike ops.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
+from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_seconds
-from thunder_fsdp_mem.analysis.step import StepMemory
-from thunder_fsdp_mem.passes.driver import Recomputed
-from thunder_fsdp_mem.passes.recompute import SavePlan, apply_plan, plan_saved, priced, recomputed_groups
+from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
+from thunder_fsdp_mem.analysis.symbols import nbytes
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Proposal, Recomputed
+from thunder_fsdp_mem.passes.mincut import SavePlan, plan_saved, priced, recomputed_groups
+from thunder_fsdp_mem.passes.plan_rewrite import apply_plan
+from thunder_fsdp_mem.units import format_bytes
 
 BISECTIONS = 4
 DROPS = 8  # expensive ops ``_without_the_dearest`` tries to keep, one by one
@@ -169,3 +183,125 @@ def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fi
             best = candidate
             allowed.discard(i)
     return best
+
+
+def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] = ()) -> Estimator:
+    """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
+    loss the caller computes on the forward's output (where that output is not a scalar already), the optimizer
+    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``, the parameters
+    stepped in ``parameter_order``, the model's: ``step.parameter_order``)."""
+    if config.memory_budget is None:
+        return estimate_traces
+    adamw = config.budget_optimizer == "adamw"
+    held = anticipated_adamw(pair.forward, pair.backward) if adamw else ()
+    step = anticipated_adamw_step(pair.forward, pair.backward, parameter_order) if adamw else None
+    value = pair.forward.bound_symbols[-1].args[0]
+    outputs = (
+        [p for p in tree_flatten(value["output"])[0] if isinstance(p, TensorProxy)]
+        if isinstance(value, dict) and "output" in value
+        else []
+    )
+    loss = config.budget_loss if len(outputs) == 1 and nbytes(outputs[0]) > outputs[0].dtype.bytes else None
+    return functools.partial(estimate_traces, loss=loss, held=held, optimizer_step=step)
+
+
+def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
+    """By how many bytes a step misses ``config.memory_cap`` when the caching allocator is replayed over it
+    (``allocator.over_cap``; 0: it runs), each step replayed once; None without a cap."""
+    if config.memory_cap is None:
+        return None
+    replayed: dict[int, tuple[StepMemory, int]] = {}  # the step is kept with its figure: its id stays its own
+
+    def short(step: StepMemory) -> int:
+        if id(step) not in replayed:
+            replayed[id(step)] = step, over_cap(step, config.memory_cap)
+        return replayed[id(step)][1]
+
+    return short
+
+
+def propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    """The least recomputation that fits ``config``'s budgets (``fit``); the least peak reachable, with a warning
+    that names it and what is alive there, where they cannot be met."""
+    excess, short_of_the_cap = _excess(config)
+    found = fit(
+        pair.forward,
+        pair.backward,
+        excess=excess,
+        judge=lambda f, b: context.estimator(f, b),
+        recompute_weight=config.recompute_weight,
+    )
+    e, plan = found.estimate, found.plan
+    warning = None if found.reached else _unmet(config, e, short_of_the_cap)
+    if found.forward is pair.forward:
+        return Proposal(pair.forward, pair.backward, warning=warning)
+    price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"
+    note = (
+        f"budget {_wanted(config)}: {'met' if found.reached else 'not met'} at {price}; saves "
+        f"{plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an "
+        f"estimated {1e3 * plan.seconds:.1f} ms"
+    )
+    return Proposal(
+        found.forward,
+        found.backward,
+        forward_checks=Checks(ignore_saved=True),
+        note=note,
+        estimate=found.estimate,
+        recomputed=found.recomputed,
+        seconds=plan.seconds,
+        warning=warning,
+        budgeted=config.saved_budget is not None,
+    )
+
+
+def unmet_warning(config: MemoryConfig, estimate: StepMemory) -> str | None:
+    """The warning for ``config``'s budgets where ``estimate`` (a pair left as it is) misses them; None where it
+    meets them."""
+    excess, short_of_the_cap = _excess(config)
+    return _unmet(config, estimate, short_of_the_cap) if excess(estimate) > 0 else None
+
+
+def _excess(config: MemoryConfig) -> tuple[Callable[[StepMemory], int], Callable[[StepMemory], int] | None]:
+    """By how many bytes an estimate misses ``config``'s budgets (0 or less: it meets them), and what the cap
+    lacks in the allocator's replay of it (``cap_shortfall``; None without a cap)."""
+    short_of_the_cap = cap_shortfall(config)
+
+    def excess(estimate: StepMemory) -> int:
+        over = [0]
+        if config.memory_budget is not None:
+            over.append(estimate.peak_bytes - config.memory_budget)
+        if config.saved_budget is not None:
+            over.append(estimate.saved_bytes - config.saved_budget)
+        if short_of_the_cap is not None and max(over) <= 0:
+            over.append(short_of_the_cap(estimate))
+        return max(over)
+
+    return excess, short_of_the_cap
+
+
+def _wanted(config: MemoryConfig) -> str:
+    return ", ".join(
+        f"{what} {format_bytes(n)}"
+        for what, n in (
+            ("peak", config.memory_budget),
+            ("saved", config.saved_budget),
+            ("reserved under a cap of", config.memory_cap),
+        )
+        if n is not None
+    )
+
+
+def _unmet(config: MemoryConfig, e: StepMemory, short_of_the_cap: Callable[[StepMemory], int] | None) -> str:
+    """The warning for budgets that cannot be met: the least peak reachable, ``e``, and what is alive there."""
+    alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
+    warning = (
+        f"could not meet the budget ({_wanted(config)}): the least reachable is a peak of "
+        f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "
+        f"{format_bytes(e.saved_bytes)}; alive there: {alive}"
+    )
+    if short_of_the_cap is not None and short_of_the_cap(e):
+        warning += (
+            f"; the caching allocator's replay of that plan misses the cap by "
+            f"{format_bytes(short_of_the_cap(e))} (no cached block holds a request)"
+        )
+    return warning

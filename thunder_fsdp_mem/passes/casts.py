@@ -25,6 +25,8 @@ operand is an upcast from the same 16-bit dtype; an upcast left without a use is
 4 bytes of traffic instead of 20 (a unary op), and the float32 temporaries are never allocated. The pass is
 pure; ``del``s are placed again at last use (``edit.rebuilt``). Traces made on the meta device fold as on the
 device type set by ``as_on`` (the report's prediction), and not at all outside it.
+
+``PASS``: the pass as the pipeline runs it (``declaration.Declaration``): each trace of the pair folded alone.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from thunder.core.trace import TraceCtx
 
 from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis.symbols import def_use, dtype_name, shape, sym_id, tensor_outputs, without_dels
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Context, Pair, Proposal
 from thunder_fsdp_mem.passes.edit import rebuilt
 
 _UNARY = frozenset({"neg", "abs", "exp", "expm1", "log", "log1p", "tanh", "sigmoid", "reciprocal", "cos"})
@@ -149,3 +154,10 @@ def _number(a) -> bool:
 
 def _exact(number: float, dtype: torch.dtype) -> bool:
     return float(torch.tensor(number, dtype=torch.float64).to(dtype).double()) == number
+
+
+def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    return Proposal(fold_casts(pair.forward), fold_casts(pair.backward))
+
+
+PASS = Declaration("folded casts", ("fold_casts",), Scope.EACH_TRACE, _propose)

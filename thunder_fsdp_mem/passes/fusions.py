@@ -27,6 +27,9 @@ Thunder's own rematerialization is wherever a fusion executor runs; ``MemoryConf
 turns it off, and with it every pass keeps the untransformed run's results bit for bit. Where Thunder's
 rematerialization took every pair (``thunder.jit``, or a Thunder with the check corrected, ``docs/upstream/``),
 nothing moves.
+
+``PASS``: the pass as the pipeline runs it (``declaration.Declaration``); the forward it proposes saves other
+tensors.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ from thunder.core.trace import TraceCtx, from_trace
 from thunder.executors.passes import _update_fusion_call_ctx
 
 from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
+from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import recompute
-from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 
 
 class FusionError(PassError):
@@ -147,3 +152,18 @@ def _with(trace: TraceCtx, bsyms: list) -> TraceCtx:
     new = from_trace(trace)
     new.bound_symbols = list(bsyms)
     return new
+
+
+def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    forward, backward, less = into_consumers(pair.forward, pair.backward)
+    if forward is pair.forward:
+        return Proposal(forward, backward)
+    return Proposal(
+        forward,
+        backward,
+        forward_checks=Checks(ignore_saved=True),
+        note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less",
+    )
+
+
+PASS = Declaration("fusion rematerialization", ("fusion_rematerialize",), Scope.PAIR, _propose)

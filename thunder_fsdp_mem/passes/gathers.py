@@ -18,6 +18,8 @@ gathered parameters for backward.
   its first use, with copies of the forward's own all-gather and wait (``recompute.apply_plan``).
 
 Both depend on the trace alone, so every rank issues the same collectives in the same order. Both are pure.
+``PASS``: both as the pipeline runs them (``declaration.Declaration``): ``regather`` where ``MemoryConfig.regather``
+(resolved by the transform) says, then ``window`` on each trace, ``MemoryConfig.max_inflight_allgathers`` wide.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from thunder_fsdp_mem.analysis.symbols import (
     sym_id,
     without_dels,
 )
-from thunder_fsdp_mem.passes import recompute
-from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes import checks, recompute
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 from thunder_fsdp_mem.passes.edit import PROVENANCE, rebuilt
 
 
@@ -165,3 +169,25 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
     new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: gathers {len(again)} parameters again in backward"))
     return new_forward, new_backward
+
+
+def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    forward, backward, width = pair.forward, pair.backward, config.max_inflight_allgathers
+    if not any(sym_id(b) == ALL_GATHER for b in forward.bound_symbols):
+        return Proposal(forward, backward)
+    new_forward, new_backward = regather(forward, backward) if config.regather else (forward, backward)
+    again = {b.args[0].name for b in new_backward.bound_symbols if sym_id(b) == ALL_GATHER}
+    added = tuple(c for c in checks.collectives(forward) if c[0] == ALL_GATHER and c[1][0] in again)
+    new_forward = window(new_forward, width)
+    new_backward = window(new_backward, width, clear_mutable_collections=True)
+    note = f"window of {width}" + (f", {len(added)} gathered again in backward" if added else "")
+    return Proposal(
+        new_forward,
+        new_backward,
+        forward_checks=Checks(ignore_saved=True, ordered=False),
+        backward_checks=Checks(added=added),
+        note=note,
+    )
+
+
+PASS = Declaration("all-gathers", ("gathers",), Scope.PAIR, _propose)

@@ -17,7 +17,8 @@ judged by ``judge(trace)``, the caller's estimator (bytes, or a tuple of them co
 and its figure is logged. The lowest is kept if it beats the trace's own order, the trace as it came otherwise.
 The unpacking of arguments stays first and the return last. ``reorder_pair`` does this for whichever of a forward
 and its backward holds the step's peak, judged by ``step.estimate_traces``, the estimator of the whole step.
-The passes are pure: they return new traces.
+The passes are pure: they return new traces. ``PASS``: ``reorder_pair`` as the pipeline runs it
+(``declaration.Declaration``), judged by the driver's estimator.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from thunder_fsdp_mem.analysis.symbols import (
     tensor_outputs,
     without_dels,
 )
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Context, Pair, Proposal
 from thunder_fsdp_mem.passes.edit import rebuilt
 
 log = logging.getLogger(__name__)
@@ -229,3 +233,13 @@ def _growth(bsym, uses: dict[str, int]) -> int:
     made = 0 if sid in VIEW_OPS or sid in RESHAPE_OPS else sum(map(nbytes, tensor_outputs(bsym)))
     freed = sum(nbytes(a) for a in tensor_args(bsym) if uses.get(a.name) == 1)
     return made - freed
+
+
+def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    forward, backward, estimate = reorder_pair(
+        pair.forward, pair.backward, estimate=context.estimate(), estimator=context.estimator
+    )
+    return Proposal(forward, backward, estimate=estimate)
+
+
+PASS = Declaration("order", ("reorder",), Scope.PAIR, _propose)

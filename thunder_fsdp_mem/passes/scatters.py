@@ -13,7 +13,9 @@ output shard and holds its input until its wait: where the transform's estimate 
 (``room``, near the backward's peak), the reduce-scatter is issued where Thunder put it. Reduce-scatters issued
 together keep the trace's order. Everything depends on the trace alone, so every rank issues the same collectives
 in the same order.
-Pure: returns a new trace, or ``trace`` itself when nothing moves.
+Pure: returns a new trace, or ``trace`` itself when nothing moves. ``PASS``: ``schedule`` as the pipeline runs it
+(``declaration.Declaration``), ``MemoryConfig.max_inflight_reduce_scatters`` wide, with the room the driver's
+estimate of the pair leaves below the step's peak.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from thunder_fsdp_mem.analysis.symbols import (
     tensor_outputs,
     without_dels,
 )
+from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import recompute
-from thunder_fsdp_mem.passes.driver import PassError
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 from thunder_fsdp_mem.passes.edit import rebuilt
 
 
@@ -162,3 +166,23 @@ def schedule(trace: TraceCtx, max_inflight: int, *, room=None, clear_mutable_col
         f"reduce-scatters issued when their gradient is complete, {max_inflight} in flight",
         clear_mutable_collections=clear_mutable_collections,
     )
+
+
+def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
+    """Each reduce-scatter issued when its gradient is complete, in a window, where the estimate leaves room for
+    what an in-flight reduce-scatter holds."""
+    backward, width = pair.backward, config.max_inflight_reduce_scatters
+    if not any(sym_id(b) == REDUCE_SCATTER for b in backward.bound_symbols):
+        return Proposal(pair.forward, backward)
+    before = context.estimate()
+    timeline = before.backward
+    headroom = before.peak_bytes - (before.backward_peak_bytes - timeline.peak_bytes)
+    room, highest = [0] * len(timeline.op_peaks), 0
+    for i in range(len(room) - 1, -1, -1):  # room below the step's peak from symbol i to the end
+        highest = max(highest, timeline.op_peaks[i])
+        room[i] = headroom - highest
+    new_backward = schedule(backward, width, room=room, clear_mutable_collections=True)
+    return Proposal(pair.forward, new_backward, backward_checks=Checks(ordered=False), note=f"window of {width}")
+
+
+PASS = Declaration("reduce-scatters", ("scatters",), Scope.BACKWARD, _propose)

@@ -32,7 +32,10 @@ How such a step runs, and how it is composed here:
 - The caller holds the logits until ``backward`` returns; the loss is ``step.loss_allocations``.
 
 What each unit, FSDP2, autograd and the caller hold is kept in ``step.Holdings``, the same ledger ``estimate_step``
-composes its step with, and the step is ``step.step_memory`` of its phases.
+composes its step with, and the step is ``step.step_memory`` of its phases. ``_compose`` walks the step: the
+persistent state, each unit's forward (``_Forward``) between FSDP2's gathers, the loss, each unit's backward
+(``_Backward``) between FSDP2's gathers and reduce-scatters, the optimizer's step. The units, what the ledger holds
+and FSDP2's own collectives are ``fsdp2_units``'.
 
 Limitations: litgpt's plain ``GPT.forward`` only (embedding, blocks, final norm, head); configurations with
 ``final_logit_softcapping`` or ``rope_indices`` are refused, and ``scale_embeddings``' product is not counted.
@@ -43,16 +46,13 @@ rounding are not modelled, as in ``estimate_step``.
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from litgpt import GPT
-from litgpt.model import Block
 
+from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
+from thunder_fsdp_mem.analysis.liveness import Allocation
 from thunder_fsdp_mem.analysis.step import (
     Holder,
     Holdings,
@@ -60,17 +60,26 @@ from thunder_fsdp_mem.analysis.step import (
     Role,
     Stage,
     StepMemory,
-    adam_state,
     adam_step_allocation,
-    held_allocation,
     loss_allocations,
     step_memory,
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.predict.fsdp2_units import (
+    AUTOGRAD,
+    CALLER,
+    Collectives,
+    Held,
+    Unit,
+    hold_persistent,
+    record,
+    renamed,
+    tensor_record,
+    units,
+)
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
-from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.training import models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
@@ -107,7 +116,7 @@ def compose_step(
         gpt = gpt.to(dtype)
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
-        return _Composer(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type).run()
+        return _compose(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type)
 
 
 def fit_budget(
@@ -117,7 +126,7 @@ def fit_budget(
     compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved
     tensors are alive (the loss, the first blocks' backward), so each block saves its share of the excess less
     (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step is over the budget (or,
-    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``reserved.over_cap``). Returns
+    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``allocator.over_cap``). Returns
     the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform (whose
     ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
     budget, cap = config.memory_budget, config.memory_cap
@@ -154,254 +163,71 @@ def unsupported(config) -> list[str]:
     return [name for name in UNSUPPORTED if getattr(config, name, None) is not None]
 
 
-@dataclass(frozen=True, slots=True)
-class _Shard:
-    """One parameter's shard on the rank with the most rows: its first dimension padded to a multiple of the
-    world size and divided by it."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Unit:
-    """One ``fully_shard`` unit: its name in the step's phases, its module's qualified name in the model
-    (``path``), its parameters' shards by name, and the sizes FSDP2 gathers and scatters."""
-
-    name: str
-    path: str
-    module: torch.nn.Module
-    shards: dict[str, _Shard] = field(hash=False)
-    world_size: int
-
-    @property
-    def shard_bytes(self) -> int:
-        return sum(s.nbytes for s in self.shards.values())
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.shard_bytes * self.world_size
-
-    @property
-    def is_block(self) -> bool:
-        return isinstance(self.module, Block)
+def _compose(gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets, device_type: str) -> StepMemory:
+    """Walks one step in the order it runs, keeping the ledger of what FSDP2, the model, autograd and the caller
+    hold: the persistent state, each unit's forward between FSDP2's gathers, the loss, each unit's backward
+    between FSDP2's gathers and reduce-scatters, the optimizer's step."""
+    ledger, model_units = Holdings(), units(gpt, world_size)
+    hold_persistent(ledger, model_units, gpt, (idx, targets), device_type)
+    fsdp = Collectives(ledger, zero3)
+    forward = _Forward(ledger, fsdp, blocks)
+    logits = forward.run(model_units, idx)
+    fsdp.forward_done()
+    saved_bytes = sum(ledger[k].nbytes for k in ledger.held_by(Role.SAVED) if k.kind is not Held.INPUT)
+    _loss(ledger, logits)
+    _Backward(ledger, fsdp, blocks, model_units, forward.inputs).run()
+    fsdp.backward_done()
+    _optimizer_step(ledger, model_units, gpt, device_type)
+    return step_memory(
+        ledger.phases,
+        forward=blocks.forward,
+        backward=blocks.backward,
+        persistent_bytes=ledger.bytes(Held.SHARD, Held.BUFFER, Held.INPUT),
+        saved_bytes=saved_bytes,
+        gradient_bytes=ledger.bytes(Held.GRADIENT),
+        optimizer_state_bytes=ledger.bytes(Held.ADAM),
+    )
 
 
-def _unit(name: str, path: str, module: torch.nn.Module, world_size: int) -> _Unit:
-    shards = {}
-    for qualname, p in module.named_parameters():
-        shape = tuple(p.shape) or (1,)
-        rows = math.ceil(shape[0] / world_size)
-        shards[qualname] = _Shard((rows, *shape[1:]), dtype_name(p), rows * math.prod(shape[1:]) * p.element_size())
-    return _Unit(name, path, module, shards, world_size)
+def _loss(ledger: Holdings, logits_key: Key) -> None:
+    log_softmax, grad_nll, grad_logits = loss_allocations(ledger[logits_key])
+    ledger.phase(Stage.LOSS, "loss", extra=(log_softmax, grad_nll, grad_logits), symbol=grad_logits.symbol)
+    ledger.hold(Key(Held.INCOMING_GRADIENT, "lm_head"), grad_logits, AUTOGRAD)
 
 
-class _Held(Enum):
-    """What the ledger holds."""
-
-    SHARD = "parameter shard"
-    BUFFER = "buffer"
-    INPUT = "input"
-    ADAM = "AdamW moment"
-    GATHERED = "gathered parameter"
-    ALL_GATHER = "all-gather buffer"
-    REDUCE_SCATTER = "reduce-scatter input"
-    GRADIENT = "gradient shard"
-    UNSHARDED_GRADIENT = "unsharded gradient"
-    ACTIVATION = "a unit's output"
-    SAVED = "saved for backward"
-    INCOMING_GRADIENT = "the gradient of a unit's output"
+def _optimizer_step(ledger: Holdings, model_units: list[Unit], gpt, device_type: str) -> None:
+    """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
+    (``step.adam_step_bytes``); the caller still holds the logits."""
+    kind = "foreach" if device_type == "cuda" else "single tensor"
+    shards = {f"{unit.path}.{name}": shard for unit in model_units for name, shard in unit.shards.items()}
+    sizes = [(shards[q].nbytes, shards[q].dtype) for q, _ in gpt.named_parameters() if q in shards]
+    temporaries = adam_step_allocation("AdamW", sizes, kind)
+    ledger.phase(Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(temporaries,), symbol=temporaries.symbol)
 
 
-_MODEL, _CALLER, _FSDP2, _AUTOGRAD = (
-    Holder(Role.MODEL),
-    Holder(Role.CALLER),
-    Holder(Role.COMMUNICATION),
-    Holder(Role.AUTOGRAD),
-)
+class _Forward:
+    """Each unit's forward after FSDP2 gathers it: the eager units run on meta under ``saved_tensors_hooks``, which
+    shows what autograd saves; each block as its ThunderFX forward trace says. ``inputs``: each unit's float input,
+    what its backward returns a gradient for."""
 
+    def __init__(self, ledger: Holdings, fsdp: Collectives, blocks: BlockTraces):
+        self.ledger, self.fsdp, self.blocks = ledger, fsdp, blocks
+        self.inputs: dict[str, Allocation] = {}
 
-def _record(name: str, nbytes: int, category: Category, shape=(), dtype: str = "", symbol: str = "FSDP2") -> Allocation:
-    return held_allocation(name, nbytes, category, shape=shape, dtype=dtype, symbol=symbol)
-
-
-def _tensor_record(name: str, t: torch.Tensor, category: Category, symbol: str) -> Allocation:
-    return _record(name, t.numel() * t.element_size(), category, tuple(t.shape), dtype_name(t), symbol)
-
-
-class _Composer:
-    """Walks one step in the order it runs, keeping the ledger of what FSDP2, the model and autograd hold."""
-
-    def __init__(self, gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets, device_type: str):
-        self.gpt, self.zero3, self.blocks, self.device_type = gpt, zero3, blocks, device_type
-        t = gpt.transformer
-        self.units = [
-            _unit("wte", "transformer.wte", t.wte, world_size),
-            *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
-            _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
-            _unit("lm_head", "lm_head", gpt.lm_head, world_size),
-        ]
-        self.idx, self.targets = idx, targets
-        self.ledger = Holdings()
-        self.prefetched: set[str] = set()
-        self.inputs: dict[str, Allocation] = {}  # unit -> its float input (what its backward returns a gradient for)
-        self.flat: str | None = None  # the unit whose all-gather buffer the forward still holds
-        self.scattering: str | None = None  # the unit whose reduce-scatter input is still held
-
-    # the step -------------------------------------------------------------------------------------------------
-    def run(self) -> StepMemory:
-        self._persistent()
-        wte, *blocks, ln_f, lm_head = self.units
-        x, key = self._eager_forward(wte, self.idx, Key(_Held.INPUT, item="token ids"))
+    def run(self, model_units: list[Unit], idx: torch.Tensor) -> Key:
+        """The forward of every unit in turn; returns the key of the logits."""
+        wte, *blocks, ln_f, lm_head = model_units
+        x, key = self._eager(wte, idx, Key(Held.INPUT, item="token ids"))
         for unit in blocks:
-            key = self._block_forward(unit, key)
-        x, key = self._eager_forward(ln_f, torch.empty_like(x), key)
-        _, key = self._eager_forward(lm_head, x, key)
-        if self.flat is not None:  # the root's post-forward frees the last all-gather buffer
-            self.ledger.release(Key(_Held.ALL_GATHER, self.flat), _FSDP2)
-            self.flat = None
-        saved_bytes = sum(self.ledger[k].nbytes for k in self.ledger.held_by(Role.SAVED) if k.kind is not _Held.INPUT)
-        self._loss(key)
-        order = list(reversed(self.units))
-        for i, unit in enumerate(order):
-            following = order[i + 1] if i + 1 < len(order) else None
-            self._pre_backward(unit, following)
-            if unit.is_block:
-                self._block_backward(unit)
-            else:
-                self._eager_backward(unit)
-            self._post_backward(unit)
-        if self.scattering is not None:
-            self.ledger.release(Key(_Held.REDUCE_SCATTER, self.scattering), _FSDP2)
-        self._optimizer_step()
-        ledger = self.ledger
-        return step_memory(
-            ledger.phases,
-            forward=self.blocks.forward,
-            backward=self.blocks.backward,
-            persistent_bytes=ledger.bytes(_Held.SHARD, _Held.BUFFER, _Held.INPUT),
-            saved_bytes=saved_bytes,
-            gradient_bytes=ledger.bytes(_Held.GRADIENT),
-            optimizer_state_bytes=ledger.bytes(_Held.ADAM),
-        )
+            key = self._block(unit, key)
+        x, key = self._eager(ln_f, torch.empty_like(x), key)
+        _, key = self._eager(lm_head, x, key)
+        return key
 
-    def _optimizer_step(self) -> None:
-        """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
-        (``step.adam_step_bytes``); the caller still holds the logits."""
-        kind = "foreach" if self.device_type == "cuda" else "single tensor"
-        shards = {f"{unit.path}.{name}": shard for unit in self.units for name, shard in unit.shards.items()}
-        sizes = [(shards[q].nbytes, shards[q].dtype) for q, _ in self.gpt.named_parameters() if q in shards]
-        temporaries = adam_step_allocation("AdamW", sizes, kind)
-        self.ledger.phase(Stage.OPTIMIZER, Stage.OPTIMIZER.value, extra=(temporaries,), symbol=temporaries.symbol)
-
-    def _persistent(self) -> None:
-        ledger = self.ledger
-        for unit in self.units:
-            for pname, shard in unit.shards.items():
-                ledger.hold(
-                    Key(_Held.SHARD, unit.name, pname),
-                    _record(f"{unit.path}.{pname} (shard)", shard.nbytes, Category.PARAMETER, shard.shape, shard.dtype),
-                    _MODEL,
-                )
-                for j, state in enumerate(
-                    adam_state(
-                        "AdamW",
-                        f"{unit.path}.{pname}",
-                        shard.nbytes,
-                        shard.shape,
-                        shard.dtype,
-                        device_type=self.device_type,
-                    )
-                ):
-                    ledger.hold(Key(_Held.ADAM, unit.name, (pname, j)), state, Holder(Role.OPTIMIZER))
-        for name, buf in self.gpt.named_buffers():
-            ledger.hold(Key(_Held.BUFFER, item=name), _tensor_record(name, buf, Category.PARAMETER, "buffer"), _MODEL)
-        for name, t in (("token ids", self.idx), ("targets", self.targets)):
-            ledger.hold(Key(_Held.INPUT, item=name), _tensor_record(name, t, Category.INPUT, "input"), _CALLER)
-
-    # FSDP2 --------------------------------------------------------------------------------------------------
-    def _all_gather_buffer(self, unit: _Unit) -> Allocation:
-        return _record(
-            f"all-gather buffer of {unit.name}", unit.gathered_bytes, Category.COMM_BUFFER, symbol="FSDP2 all-gather"
-        )
-
-    def _gather(self, unit: _Unit, *, forward: bool) -> None:
-        """Unshard ``unit``: its all-gather buffer, then the copy-out into its unsharded parameters."""
-        ledger = self.ledger
-        if not unit.shards or ledger.keys(_Held.GATHERED, unit.name):
-            return
-        if unit.name not in self.prefetched:
-            ledger.hold(Key(_Held.ALL_GATHER, unit.name), self._all_gather_buffer(unit), _FSDP2)
-        self.prefetched.discard(unit.name)
-        for pname, shard in unit.shards.items():
-            ledger.hold(
-                Key(_Held.GATHERED, unit.name, pname),
-                _record(
-                    f"{unit.path}.{pname} (gathered)",
-                    shard.nbytes * unit.world_size,
-                    Category.GATHERED_PARAMETER,
-                    (shard.shape[0] * unit.world_size, *shard.shape[1:]),
-                    shard.dtype,
-                    "FSDP2 all-gather",
-                ),
-                _FSDP2,
-            )
-        stage = Stage.FORWARD if forward else Stage.BACKWARD
-        ledger.phase(stage, f"{stage.value}: copy-out of {unit.name}", symbol="FSDP2 copy-out")
-        if forward:
-            if self.flat is not None:  # the previous unit's buffer, freed once this copy-out is done
-                ledger.release(Key(_Held.ALL_GATHER, self.flat), _FSDP2)
-            self.flat = unit.name
-        else:
-            ledger.release(Key(_Held.ALL_GATHER, unit.name), _FSDP2)
-
-    def _reshard(self, unit: _Unit) -> None:
-        for key in self.ledger.keys(_Held.GATHERED, unit.name):
-            self.ledger.release(key, _FSDP2)
-
-    def _pre_backward(self, unit: _Unit, following: _Unit | None) -> None:
-        if not self.zero3:
-            return
-        self._gather(unit, forward=False)
-        if following is not None and following.shards:
-            self.ledger.hold(Key(_Held.ALL_GATHER, following.name), self._all_gather_buffer(following), _FSDP2)
-            self.prefetched.add(following.name)
-
-    def _post_backward(self, unit: _Unit) -> None:
-        ledger = self.ledger
-        self._reshard(unit)
-        if not unit.shards:
-            return
-        if self.scattering is not None:
-            ledger.release(Key(_Held.REDUCE_SCATTER, self.scattering), _FSDP2)
-        ledger.hold(
-            Key(_Held.REDUCE_SCATTER, unit.name),
-            _record(
-                f"reduce-scatter input of {unit.name}",
-                unit.gathered_bytes,
-                Category.COMM_BUFFER,
-                symbol="FSDP2 reduce-scatter",
-            ),
-            _FSDP2,
-        )
-        self.scattering = unit.name
-        ledger.hold(
-            Key(_Held.GRADIENT, unit.name),
-            _record(
-                f"gradients of {unit.name} (shard)", unit.shard_bytes, Category.GRADIENT, symbol="FSDP2 reduce-scatter"
-            ),
-            _MODEL,
-        )
-        ledger.phase(Stage.BACKWARD, f"backward: reduce-scatter of {unit.name}", symbol="FSDP2 reduce-scatter")
-        for key in ledger.keys(_Held.UNSHARDED_GRADIENT, unit.name):
-            ledger.release(key, _AUTOGRAD)
-
-    # the units' compute -------------------------------------------------------------------------------------
-    def _eager_forward(self, unit: _Unit, x: torch.Tensor, x_key: Key) -> tuple[torch.Tensor, Key]:
+    def _eager(self, unit: Unit, x: torch.Tensor, x_key: Key) -> tuple[torch.Tensor, Key]:
         """Run an eager unit on meta and hold what autograd saves; returns its output and the output's key."""
         ledger = self.ledger
-        self._gather(unit, forward=True)
+        self.fsdp.gather(unit, forward=True)
         params = {p.untyped_storage()._cdata for p in unit.module.parameters()}
         saved: dict[int, torch.Tensor] = {}
 
@@ -412,35 +238,35 @@ class _Composer:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = unit.module(x)
         kind = type(unit.module).__name__
-        out_key = Key(_Held.ACTIVATION, unit.name)
-        out_record = _tensor_record(f"output of {unit.name}", out, Category.TEMPORARY, f"{kind} (eager)")
+        out_key = Key(Held.ACTIVATION, unit.name)
+        out_record = tensor_record(f"output of {unit.name}", out, Category.TEMPORARY, f"{kind} (eager)")
         ledger.phase(Stage.FORWARD, f"forward: {unit.name}", extra=(out_record,), symbol=f"{kind} (eager)")
-        ledger.hold(out_key, out_record, _CALLER)
+        ledger.hold(out_key, out_record, CALLER)
         holder = Holder(Role.SAVED, unit.name)
         for j, (storage, t) in enumerate(saved.items()):
             if storage == x.untyped_storage()._cdata:
                 ledger.hold(x_key, ledger[x_key], holder)
             elif storage not in params and storage != out.untyped_storage()._cdata:
                 ledger.hold(
-                    Key(_Held.SAVED, unit.name, j),
-                    _tensor_record(f"saved by {unit.name}", t, Category.SAVED, f"{kind} (eager)"),
+                    Key(Held.SAVED, unit.name, j),
+                    tensor_record(f"saved by {unit.name}", t, Category.SAVED, f"{kind} (eager)"),
                     holder,
                 )
-        self._forward_done(unit, x_key if x.is_floating_point() else None)
+        self._done(unit, x_key if x.is_floating_point() else None)
         return out, out_key
 
-    def _block_forward(self, unit: _Unit, x_key: Key) -> Key:
+    def _block(self, unit: Unit, x_key: Key) -> Key:
         ledger, blocks = self.ledger, self.blocks
-        self._gather(unit, forward=True)
+        self.fsdp.gather(unit, forward=True)
         ledger.phase(Stage.FORWARD, f"forward: {unit.name}", blocks.forward, inside=[x_key])
         holder = Holder(Role.SAVED, unit.name)
         outputs = blocks.forward.outputs
         output = outputs[blocks.output]
-        out_key = Key(_Held.ACTIVATION, unit.name, output)
+        out_key = Key(Held.ACTIVATION, unit.name, output)
         ledger.hold(
             out_key,
-            _renamed(blocks.forward.allocations[output], f"output of {unit.name}", Category.TEMPORARY, unit.path),
-            _CALLER,
+            renamed(blocks.forward.allocations[output], f"output of {unit.name}", Category.TEMPORARY, unit.path),
+            CALLER,
         )
         for name in blocks.saved:
             i = outputs[name]
@@ -448,41 +274,62 @@ class _Composer:
             if a.name == blocks.activation:
                 ledger.hold(x_key, ledger[x_key], holder)
             elif not a.external:  # parameters and rope tables are held by FSDP2 and the model
-                ledger.hold(Key(_Held.SAVED, unit.name, i), _renamed(a, a.name, a.category, unit.path), holder)
-        self._forward_done(unit, x_key)
+                ledger.hold(Key(Held.SAVED, unit.name, i), renamed(a, a.name, a.category, unit.path), holder)
+        self._done(unit, x_key)
         return out_key
 
-    def _forward_done(self, unit: _Unit, x_key: Key | None) -> None:
+    def _done(self, unit: Unit, x_key: Key | None) -> None:
         """After a unit's forward: the model's ``forward`` lets go of the unit's input (autograd keeps what it
         saved) and zero3 reshards the unit."""
         if x_key is not None:
             self.inputs[unit.name] = self.ledger[x_key]
-            self.ledger.release(x_key, _CALLER)
-        if self.zero3:
-            self._reshard(unit)
+            self.ledger.release(x_key, CALLER)
+        if self.fsdp.zero3:
+            self.fsdp.reshard(unit)
 
-    def _loss(self, logits_key: Key) -> None:
-        ledger = self.ledger
-        log_softmax, grad_nll, grad_logits = loss_allocations(ledger[logits_key])
-        ledger.phase(Stage.LOSS, "loss", extra=(log_softmax, grad_nll, grad_logits), symbol=grad_logits.symbol)
-        ledger.hold(Key(_Held.INCOMING_GRADIENT, "lm_head"), grad_logits, _AUTOGRAD)
 
-    def _block_backward(self, unit: _Unit) -> None:
+class _Backward:
+    """Each unit's backward, last unit first, between FSDP2's gather (zero3) and its reduce-scatter: a block's as
+    its ThunderFX backward trace says, an eager unit's a gradient for its float input and each parameter. The
+    gradient of a unit's input goes to the unit before it; its parameters' wait for the reduce-scatter."""
+
+    def __init__(
+        self,
+        ledger: Holdings,
+        fsdp: Collectives,
+        blocks: BlockTraces,
+        model_units: list[Unit],
+        inputs: dict[str, Allocation],
+    ):
+        self.ledger, self.fsdp, self.blocks, self.units, self.inputs = ledger, fsdp, blocks, model_units, inputs
+
+    def run(self) -> None:
+        order = list(reversed(self.units))
+        for i, unit in enumerate(order):
+            following = order[i + 1] if i + 1 < len(order) else None
+            self.fsdp.pre_backward(unit, following)
+            if unit.is_block:
+                self._block(unit)
+            else:
+                self._eager(unit)
+            self.fsdp.post_backward(unit)
+
+    def _block(self, unit: Unit) -> None:
         ledger, blocks = self.ledger, self.blocks
         saved = ledger.held_by(Role.SAVED, unit.name)
-        incoming = Key(_Held.INCOMING_GRADIENT, unit.name)
+        incoming = Key(Held.INCOMING_GRADIENT, unit.name)
         ledger.phase(Stage.BACKWARD, f"backward: {unit.name}", blocks.backward, inside=[*saved, incoming])
-        self._backward_done(unit, saved)
+        self._done(unit, saved)
         made = [a for a in blocks.backward.allocations if a.end is None and not a.external]
         shape = self.inputs[unit.name].shape
         self._hold_gradients(unit, [a for a in made if a.shape != shape], [a for a in made if a.shape == shape])
 
-    def _eager_backward(self, unit: _Unit) -> None:
+    def _eager(self, unit: Unit) -> None:
         """An eager unit's backward: a gradient for its float input and each parameter, made while the incoming
         gradient and what it saved are alive."""
         kind = f"{type(unit.module).__name__} backward"
         params = [
-            _record(
+            record(
                 f"gradient of {unit.name}.{n}",
                 p.numel() * p.element_size(),
                 Category.GRADIENT,
@@ -496,48 +343,29 @@ class _Composer:
         inputs = (
             []
             if x is None
-            else [_record(f"gradient of {unit.name}'s input", x.nbytes, Category.TEMPORARY, x.shape, x.dtype, kind)]
+            else [record(f"gradient of {unit.name}'s input", x.nbytes, Category.TEMPORARY, x.shape, x.dtype, kind)]
         )
         self.ledger.phase(Stage.BACKWARD, f"backward: {unit.name}", extra=(*params, *inputs), symbol=kind)
-        self._backward_done(unit, self.ledger.held_by(Role.SAVED, unit.name))
+        self._done(unit, self.ledger.held_by(Role.SAVED, unit.name))
         self._hold_gradients(unit, params, inputs)
 
-    def _backward_done(self, unit: _Unit, saved: list[Key]) -> None:
+    def _done(self, unit: Unit, saved: list[Key]) -> None:
         for key in saved:
             self.ledger.release(key, Holder(Role.SAVED, unit.name))
-        self.ledger.release(Key(_Held.INCOMING_GRADIENT, unit.name), _AUTOGRAD)
+        self.ledger.release(Key(Held.INCOMING_GRADIENT, unit.name), AUTOGRAD)
 
-    def _hold_gradients(self, unit: _Unit, params: list[Allocation], inputs: list[Allocation]) -> None:
+    def _hold_gradients(self, unit: Unit, params: list[Allocation], inputs: list[Allocation]) -> None:
         """The gradient of the unit's input goes to the unit before it; the parameters' wait for the
         reduce-scatter."""
         i = self.units.index(unit)
         if inputs and i > 0:
             before = self.units[i - 1].name
             self.ledger.hold(
-                Key(_Held.INCOMING_GRADIENT, before),
-                _renamed(inputs[0], f"gradient of {before}'s output", Category.TEMPORARY),
-                _AUTOGRAD,
+                Key(Held.INCOMING_GRADIENT, before),
+                renamed(inputs[0], f"gradient of {before}'s output", Category.TEMPORARY),
+                AUTOGRAD,
             )
         for j, a in enumerate(params):
             self.ledger.hold(
-                Key(_Held.UNSHARDED_GRADIENT, unit.name, j), _renamed(a, a.name, Category.GRADIENT), _AUTOGRAD
+                Key(Held.UNSHARDED_GRADIENT, unit.name, j), renamed(a, a.name, Category.GRADIENT), AUTOGRAD
             )
-
-
-def _renamed(a: Allocation, name: str, category: Category, path: str | None = None) -> Allocation:
-    """A trace's allocation as the ledger holds it once its trace is done: outside the traces, never freed by one;
-    its module placed in the model (``path``: the unit's, for the block graph's module names)."""
-
-    def placed(module: str | None) -> str | None:
-        return f"{path}.{module}" if path is not None and module is not None else module
-
-    return dataclasses.replace(
-        a,
-        name=name,
-        category=category,
-        start=OUTSIDE,
-        end=None,
-        external=True,
-        module=placed(a.module),
-        after=placed(a.after),
-    )

@@ -79,30 +79,25 @@ def plan_fsdp2(
     budget = _bytes("memory_budget", memory_budget)
     cap = _bytes("memory_cap", memory_cap) if memory_cap is not None else None
     litgpt_config, gpt = _litgpt(model)
-    world_size = world_size if world_size is not None else _world_size(gpt)
-    shard = shard if shard is not None else _shard(gpt)
-    dtype = dtype if dtype is not None else _dtype(gpt)
+    options = {  # compose_step's, each None as the model says
+        "world_size": world_size if world_size is not None else _world_size(gpt),
+        "shard": shard if shard is not None else _shard(gpt),
+        "dtype": dtype if dtype is not None else _dtype(gpt),
+        "executors": executors if executors is not None else "default",
+        "device_type": device_type,
+        "micro_batch_size": micro_batch_size,
+    }
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     spec = models.ModelSpec.from_config(litgpt_config, block_size=tokens)
-    chosen = executors if executors is not None else "default"
     wanted = dataclasses.replace(base, memory_budget=budget, memory_cap=cap, saved_budget=None)
-    step, planned, _ = fsdp2.fit_budget(
-        spec,
-        wanted,
-        world_size=world_size,
-        shard=shard,
-        device_type=device_type,
-        dtype=dtype,
-        micro_batch_size=micro_batch_size,
-        executors=chosen,
-    )
+    step, planned, _ = fsdp2.fit_budget(spec, wanted, **options)
     short = over_cap(step, cap) if cap is not None else 0
     log.info(
         "plan_fsdp2: %s, %d rank(s), %s, %d tokens: each block saves at most %s; predicted peak %s",
         litgpt_config.name,
-        world_size,
-        shard,
+        options["world_size"],
+        options["shard"],
         tokens,
         _saved(planned),
         format_bytes(step.peak_bytes),

@@ -1,0 +1,311 @@
+"""Choose what the forward saves for backward: a minimum cut over the forward's data flow.
+
+``plan_saved(forward) -> SavePlan`` reads a forward execution trace (Thunder's augmented forward, which returns
+``(outputs, (saved tensors, saved others))``) and finds the set of tensors to save that minimises saved bytes,
+such that everything the backward receives today can be rebuilt in backward from the saved tensors by cheap ops.
+It is a minimum cut over the forward's data flow:
+
+- every tensor ``v`` is two nodes, ``v.in`` and ``v.out``, joined by an edge whose capacity is the cost of saving
+  ``v`` (its bytes; nothing for the forward's inputs, which the caller holds anyway: parameters, under FSDP2 the
+  gathered parameters that FSDP2 itself frees and re-gathers, the step's inputs);
+- a recomputable op joins each tensor argument's ``out`` to each output's ``in`` with unbounded capacity: a
+  tensor recomputed in backward needs its arguments there;
+- the source feeds the ``in`` of every tensor that cannot be recomputed (inputs; outputs of matmuls, attention,
+  collectives, random and unknown ops); every tensor the backward receives today feeds the sink.
+
+Cut edges ``v.in -> v.out`` are the tensors to save; tensors whose ``in`` falls on the sink's side are
+recomputed in backward (``plan_rewrite.apply_plan``). Ties go to the tensors saved today, so nothing is recomputed
+for nothing.
+
+Recomputation costs time: ops outside fusions each read and write whole tensors. With ``recompute_weight``
+w > 0, each recomputable symbol is also a node ``("op", i)`` between its arguments and outputs, fed by the source
+with capacity w x its traffic (``cost.op_traffic``): the cut pays it when the symbol runs again, once however
+many of its outputs are needed. The cut then minimises saved bytes + w x recomputation traffic.
+
+With a ``price`` (bytes of saved memory one second of recomputation is worth), the expensive deterministic ops
+become recomputable too: matmuls, attention without dropout, embeddings, and fusion regions made of them and cheap
+ops (``priced``). Each is such a node, fed with capacity price x its time (``cost.op_seconds``), so that the cut
+minimises saved bytes + w x traffic + price x the time of the expensive ops run again. A high price gives the cut
+without them; price 0 saves the least the forward can save. ``passes.budget`` chooses the price that fits a
+memory budget. With ``segments=True``, an argument of a recomputed expensive op that would itself be rebuilt from
+another recomputed expensive op is saved instead, so that each is recomputed from saved tensors and cheap ops
+alone, just before the backward needs it (as activation checkpointing recomputes a block from its saved input).
+
+``recomputed_groups(forward, plan)`` says what a plan has the backward run again, by op and source line;
+``recomputable`` and ``priced`` say which symbols the cut may recompute, without and with a price. The plan is
+applied by ``plan_rewrite.apply_plan``. Pure: the trace is read, not changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+from networkx.algorithms.flow import boykov_kolmogorov
+from thunder.core.prims import PrimIDs
+from thunder.core.proxies import Proxy, TensorProxy
+from thunder.core.trace import TraceCtx
+
+from thunder_fsdp_mem.analysis.cost import (
+    ATTENTION,
+    H200,
+    MATMULS,
+    DeviceRates,
+    attention_options,
+    op_seconds,
+    op_traffic,
+)
+from thunder_fsdp_mem.analysis.symbols import (
+    ELEMENTWISE_OPS,
+    RESHAPE_OPS,
+    UNPACK_IDS,
+    VIEW_OPS,
+    WAITS,
+    is_copy_into,
+    is_fusion,
+    nbytes,
+    sym_id,
+)
+from thunder_fsdp_mem.passes.driver import PassError, Recomputed
+
+# Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
+# factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
+RECOMPUTABLE_OPS = (
+    ELEMENTWISE_OPS
+    | (VIEW_OPS - WAITS)
+    | RESHAPE_OPS
+    | frozenset(
+        {
+            "convert_element_type",
+            "broadcast_in_dim",
+            "cat",
+            "torch_pad_prim_impl",
+            "pad",
+            "arange",
+            "full",
+            "sum",
+            "var_mean",
+            "mean",
+            "var",
+            "amax",
+            "amin",
+            "prod",
+            "contiguous",
+        }
+    )
+)
+
+# Deterministic too, but dear: recomputed only at a price (a memory budget).
+PRICED_OPS = MATMULS | ATTENTION | {"embedding"}
+_SOURCE, _SINK = "source", "sink"
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What the forward saves and what the backward recomputes.
+
+    saved: names of the tensors the forward returns for backward, in order.
+    recompute: indices, in the forward's bound symbols, of the symbols the backward runs again (forward order).
+    before_bytes / after_bytes: saved bytes beyond the forward's inputs, today and with the plan.
+    traffic_bytes: what the recomputation reads and writes (``cost.op_traffic``), its cost.
+    seconds: its estimated time on the device the plan was priced for (``cost.op_seconds``).
+    """
+
+    saved: tuple[str, ...]
+    recompute: tuple[int, ...]
+    before_bytes: int
+    after_bytes: int
+    traffic_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.recompute)
+
+
+class PlanError(PassError):
+    """The trace is not a forward this pass understands, or the plan does not hold together."""
+
+
+def saved_tensors(forward: TraceCtx) -> tuple[TensorProxy, ...]:
+    """The tensors an augmented forward returns for backward."""
+    ret = forward.bound_symbols[-1]
+    if (
+        ret.sym.id != PrimIDs.RETURN
+        or len(ret.args) != 2
+        or not isinstance(ret.args[1], tuple | list)
+        or len(ret.args[1]) != 2
+    ):
+        raise PlanError("the forward trace does not end in return(outputs, (saved tensors, saved others))")
+    return tuple(ret.args[1][0])
+
+
+def recomputable(bsym) -> bool:
+    """True for ops this pass may run again in backward: a cheap deterministic op, or a fusion of such ops, whose
+    arguments are all tensors or constants."""
+    if any(not isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
+        return False  # futures, numbers and collections the backward would not have
+    if is_fusion(bsym):
+        return bool(bsym.subsymbols) and all(recomputable(s) for s in bsym.subsymbols)
+    return sym_id(bsym) in RECOMPUTABLE_OPS
+
+
+def priced(bsym) -> bool:
+    """True for the expensive deterministic ops the cut may recompute at a price: matmuls, attention without
+    dropout, embeddings, and fusion regions made of them and cheap ops, whose arguments are all tensors or
+    constants."""
+    if any(not isinstance(a, TensorProxy) for a in bsym.flat_proxy_args):
+        return False
+    if is_fusion(bsym):
+        return bool(bsym.subsymbols) and all(recomputable(s) or priced(s) for s in bsym.subsymbols)
+    sid = sym_id(bsym)
+    if sid in ATTENTION:
+        return attention_options(bsym)[0] == 0.0
+    return sid in PRICED_OPS
+
+
+def plan_saved(
+    forward: TraceCtx,
+    *,
+    recompute_weight: float = 0.0,
+    price: float | None = None,
+    rates: DeviceRates = H200,
+    segments: bool = False,
+    only: frozenset[int] | None = None,
+) -> SavePlan:
+    """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
+    bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes, and, with a ``price``,
+    plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``. ``segments``: no
+    expensive op is recomputed from another (see the module's docstring); ``only``: the indices of the expensive
+    ops the price may recompute (None: all)."""
+    saved = saved_tensors(forward)
+    bsyms = forward.bound_symbols
+    producer: dict[str, int] = {}
+    inputs: set[str] = set()
+    written: set[str] = set()  # destinations of in-place copies: their value changes, never recompute from them
+    tensors: dict[str, TensorProxy] = {}
+    can = [False] * len(bsyms)  # recomputable(bsyms[i]), or priced at a price, decided once
+    dear = [False] * len(bsyms)  # recomputed at the price
+    for i, bsym in enumerate(bsyms):
+        tensors.update(
+            (p.name, p) for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs) if isinstance(p, TensorProxy)
+        )
+        sid = bsym.sym.id
+        if sid in UNPACK_IDS:
+            inputs.update(o.name for o in bsym.flat_proxy_outs)
+            continue
+        if sid in (PrimIDs.DEL, PrimIDs.RETURN):
+            continue
+        if is_copy_into(bsym):
+            written.update(a.name for a in bsym.flat_proxy_args)
+        can[i] = recomputable(bsym)
+        if not can[i] and price is not None and priced(bsym) and (only is None or i in only):
+            can[i] = dear[i] = True
+        for o in bsym.flat_proxy_outs:
+            producer.setdefault(o.name, i)
+    inputs.update(a.name for a in forward.args if isinstance(a, Proxy))
+    # A symbol that reads what an in-place copy writes would see another value in backward.
+    can = [c and not any(a.name in written for a in b.flat_proxy_args) for c, b in zip(can, bsyms)]
+
+    required = {t.name for t in saved}
+    today = sum(nbytes(t) for t in saved if t.name not in inputs)
+    graph = nx.DiGraph()
+    for name, t in tensors.items():
+        free = name in inputs
+        # Doubled sizes, less one for what is saved today: ties keep today's choice.
+        graph.add_edge(
+            (name, "in"), (name, "out"), capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0)
+        )
+        if free or name not in producer or not can[producer[name]]:
+            graph.add_edge(_SOURCE, (name, "in"))
+    for i, bsym in enumerate(bsyms):
+        if not can[i]:
+            continue
+        # The symbol is a node of its own, cut from the source (at its traffic's price) when it runs again.
+        if dear[i]:
+            cost = max(1, round(2 * price * op_seconds(bsym, rates)))
+        else:
+            cost = round(2 * recompute_weight * op_traffic(bsym))
+        if cost:
+            graph.add_edge(_SOURCE, ("op", i), capacity=cost)
+        for a in bsym.flat_proxy_args:
+            graph.add_edge((a.name, "out"), ("op", i))
+        for o in bsym.flat_proxy_outs:
+            if isinstance(o, TensorProxy) and o.name not in inputs:
+                graph.add_edge(("op", i), (o.name, "in"))
+    for name in required:
+        graph.add_edge((name, "out"), _SINK)
+
+    _, (source_side, _) = nx.minimum_cut(graph, _SOURCE, _SINK, flow_func=boykov_kolmogorov)
+    chosen = {n for n in tensors if (n, "in") in source_side and (n, "out") not in source_side}
+    recompute = _recomputed(bsyms, required, chosen, producer, can)
+    if segments and any(dear[i] for i in recompute):
+        chosen |= _segment_inputs(bsyms, recompute, chosen, producer, dear, inputs)
+        recompute = _recomputed(bsyms, required, chosen, producer, can)
+    needed = {a.name for i in recompute for a in bsyms[i].flat_proxy_args} | required
+    order = {t.name: k for k, t in enumerate(saved)}
+    kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
+    after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
+    traffic = sum(op_traffic(bsyms[i]) for i in recompute)
+    seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
+    return SavePlan(
+        saved=tuple(kept),
+        recompute=tuple(sorted(recompute)),
+        before_bytes=today,
+        after_bytes=after,
+        traffic_bytes=traffic,
+        seconds=seconds,
+    )
+
+
+def _recomputed(bsyms, required: set[str], chosen: set[str], producer: dict[str, int], can: list[bool]) -> set[int]:
+    """The symbols to run again: walk back from what the backward needs to what is saved."""
+    recompute: set[int] = set()
+    stack = [n for n in required if n not in chosen]
+    seen = set(stack)
+    while stack:
+        name = stack.pop()
+        i = producer.get(name)
+        if i is None or not can[i]:
+            raise PlanError(f"{name} would be neither saved nor recomputable")
+        recompute.add(i)
+        for a in bsyms[i].flat_proxy_args:
+            if a.name not in chosen and a.name not in seen:
+                seen.add(a.name)
+                stack.append(a.name)
+    return recompute
+
+
+def _segment_inputs(
+    bsyms, recompute: set[int], chosen: set[str], producer: dict[str, int], dear: list[bool], inputs: set[str]
+) -> set[str]:
+    """The arguments of recomputed expensive symbols that would themselves be rebuilt from another recomputed
+    expensive symbol: saved instead, each expensive symbol then recomputed from saved tensors and cheap ops alone
+    (as activation checkpointing recomputes a block from its saved input), just before the backward needs it."""
+    behind: dict[str, bool] = {}  # a recomputed tensor -> rebuilt from a recomputed expensive symbol
+
+    def rebuilt_from_dear(a) -> bool:
+        return a.name not in chosen and a.name not in inputs and behind.get(a.name, False)
+
+    boundary = set()
+    for i in sorted(recompute):  # forward order: producers first
+        args = [a for a in bsyms[i].flat_proxy_args if isinstance(a, TensorProxy)]
+        if dear[i]:
+            boundary.update(a.name for a in args if rebuilt_from_dear(a))
+        made = dear[i] or any(rebuilt_from_dear(a) for a in args)
+        for o in bsyms[i].flat_proxy_outs:
+            behind[o.name] = made
+    return boundary
+
+
+def recomputed_groups(forward: TraceCtx, plan: SavePlan, rates: DeviceRates = H200) -> tuple[Recomputed, ...]:
+    """What ``plan`` has the backward run again, grouped by op and source line (one group per line of a model's
+    block), the dearest first, with each group's estimated time on a device of ``rates``."""
+    groups: dict[tuple[str, str | None], list[float]] = {}
+    for i in plan.recompute:
+        bsym = forward.bound_symbols[i]
+        line = bsym.source_positions.lineno if bsym.source_positions else None
+        source = f"{bsym.source_filename}:{line}" if bsym.source_filename else None
+        groups.setdefault((bsym.sym.name, source), []).append(op_seconds(bsym, rates))
+    rows = [Recomputed(symbol, source, len(times), sum(times)) for (symbol, source), times in groups.items()]
+    return tuple(sorted(rows, key=lambda r: -r.seconds))
