@@ -41,6 +41,7 @@ def comparison(tmp_path_factory):
     return json.loads(out.read_text()), proc, plot
 
 
+@pytest.mark.slow
 def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
     result, proc, plot = comparison
     rows = {r["mode"]: r for r in result["rows"]}
@@ -74,6 +75,7 @@ def test_every_mode_but_the_cuda_only_one_is_measured(comparison):
     assert "| fsdp2-inductor | ok |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_mem_rows_need_no_more_memory_and_are_estimated(comparison):
     # FSDPMemoryTransform saves less for backward; the measured peaks are deterministic on CPU.
     rows = {r["mode"]: r for r in comparison[0]["rows"]}
@@ -84,6 +86,7 @@ def test_mem_rows_need_no_more_memory_and_are_estimated(comparison):
         assert abs(row["estimated_peak_bytes"] - row["peak_bytes"]) <= 0.03 * row["peak_bytes"], row
 
 
+@pytest.mark.slow
 def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path):
     # --jobs 2: two modes in flight, thunder-fsdp compiled ahead outside its turn; the measured peaks must be
     # those of the modes run one after the other.
@@ -129,6 +132,7 @@ def test_bad_input_exits_2_with_one_line(args, message):
     assert len(err) == 1 and message in err[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path, capsys):
     # `thunder-fsdp-mem report` traces on the meta device over 2 fake ranks; the rows were measured
     # on 2 real gloo ranks running the same step (GPT, eager cross-entropy, AdamW).
@@ -139,6 +143,7 @@ def test_the_report_predicts_the_measured_thunder_fsdp_rows(comparison, tmp_path
         assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)
 
 
+@pytest.mark.slow
 def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     # --mode fsdp2 composes one ThunderFX block graph traced on meta with what FSDP2 holds, per rank; the rows
     # were measured on 2 gloo ranks running FSDP2 (zero2) through ThunderFX, compiled (under MemTracker, a
@@ -150,6 +155,7 @@ def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
         assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)
 
 
+@pytest.mark.slow
 def test_an_oom_on_one_rank_in_a_transformed_step_is_an_oom_row_and_no_rank_hangs():
     # Rank 1 runs out of memory at the start of its backward (compare.py --inject-oom: torch's own error, raised
     # inside the transformed trace) while rank 0 goes on into its reduce-scatters: the row says OOM, and torchrun
@@ -164,6 +170,7 @@ def test_an_oom_on_one_rank_in_a_transformed_step_is_an_oom_row_and_no_rank_hang
     assert time.perf_counter() - start < 600
 
 
+@pytest.mark.slow
 def test_a_mode_past_its_timeout_ends_with_its_ranks():
     proc = _run(*CPU, *"--n-layers 1 --block-size 64 --modes fsdp2-eager --timeout 1".split(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -77,6 +77,7 @@ def fsdp_results():
     return torchrun("gather_worker.py", "neox", "--executors=fused")
 
 
+@pytest.mark.slow
 def test_thunder_fsdp_with_fused_regions_is_bitwise_and_still_scheduled(fsdp_results):
     assert {(r["shard"], r["rank"]) for r in fsdp_results} == {(s, k) for s in runtime.SHARDS for k in (0, 1)}
     for r in fsdp_results:

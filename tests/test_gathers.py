@@ -9,6 +9,8 @@ from support import torchrun
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.config import DEFAULT_MAX_INFLIGHT_ALLGATHERS, DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
 
+pytestmark = pytest.mark.slow  # every case reads one 2-rank torchrun run (make test-slow)
+
 FAMILIES = ("neox", "llama")
 
 

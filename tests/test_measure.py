@@ -78,6 +78,7 @@ def _torchrun_report(*args: str, tmp_path) -> dict:
 @pytest.mark.parametrize(
     "shard, transform, trainer", [("zero2", True, "fsdp2-thunder+mem"), ("zero3", False, "fsdp2-thunder")]
 )
+@pytest.mark.slow
 def test_fsdp2_through_thunderfx_on_two_ranks(shard, transform, trainer, tmp_path):
     # Compiled for real (no dispatch mode): each block's forward and backward trace is a paired run. Under
     # MemTracker, Dynamo ran this step eagerly, and zero3 seemed 8.9% over the prediction.
@@ -88,6 +89,7 @@ def test_fsdp2_through_thunderfx_on_two_ranks(shard, transform, trainer, tmp_pat
     assert measured["trainer"] == trainer
 
 
+@pytest.mark.slow
 def test_thunder_fsdp_zero3_on_two_ranks(tmp_path):
     measured = _torchrun_report("--mode", "thunder-fsdp", "--shard", "zero3", tmp_path=tmp_path)
     _check(measured, paired=2, ranks=2, tolerance=1e-3)

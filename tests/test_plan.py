@@ -16,6 +16,7 @@ def ranks():
     return torchrun("plan_worker.py")
 
 
+@pytest.mark.slow
 def test_a_budget_planned_from_python_is_met_on_two_ranks(ranks):
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:

@@ -42,7 +42,7 @@ def report():
 def test_no_figure_is_ever_cut(report, width):
     # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
     # columns. Every figure of every row appears whole, at every width; a narrow table leaves whole columns out.
-    from thunder_fsdp_mem.report import _short, render_text
+    from thunder_fsdp_mem.report import render_text, short_source
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(report, width=width)
@@ -55,7 +55,7 @@ def test_no_figure_is_ever_cut(report, width):
         if "shape" in header:
             assert "x".join(map(str, t.shape)) in table
         if "source" in header:
-            assert _short(t.source) in table
+            assert short_source(t.source) in table
     assert "…" not in table
     if width >= 180:
         assert "source" in header and "1x4096x128256" in table

@@ -4,6 +4,8 @@ import pytest
 
 from support import torchrun
 
+pytestmark = pytest.mark.slow  # every case reads one 2-rank torchrun run (make test-slow)
+
 TOLERANCE = 0.03
 
 

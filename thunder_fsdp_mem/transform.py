@@ -23,7 +23,7 @@ from thunder_fsdp_mem.analysis.step import parameter_order
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
 from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator
-from thunder_fsdp_mem.passes.pipeline import pipeline
+from thunder_fsdp_mem.passes.pipeline import DECLARED, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -82,7 +82,7 @@ class FSDPMemoryTransform(Transform):
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         c = self.config
-        if not (c.fold_casts or c.rematerialize or c.fusion_rematerialize or c.gathers or c.scatters or c.reorder):
+        if not any(declared.enabled(c) for declared in DECLARED):
             return computation_trace
         if TraceTag.AUGMENTED_FORWARD in computation_trace.tags:
             placeholder = from_trace(computation_trace)

@@ -10,7 +10,7 @@ Entry points: ``replay_step(step, steps=3, cap=None) -> Reserved``: the predicte
 (``snapshot.replay``, the same order the memory snapshot shows) run through a model of the allocator, ``steps``
 times (the warm-up steps leave their segments cached, as in a measured run), what is alive before the step
 allocated first; ``over_cap(step, cap) -> int``: by how many bytes the cap falls short of the replayed step (0:
-it runs), what a memory budget with a cap adds to its estimate's excess (``passes/pipeline.py``).
+it runs), what a memory budget with a cap adds to its estimate's excess (``passes/budget.py``).
 ``CachingAllocator`` is that model, after PyTorch's ``CUDACachingAllocator`` with its defaults
 (no ``PYTORCH_CUDA_ALLOC_CONF``): sizes rounded up to 512 bytes; requests up to 1 MiB served from a pool of 2 MiB
 segments, larger ones from a pool of segments of 20 MiB (requests under 10 MiB) or the request rounded up to

@@ -66,9 +66,8 @@ class DeviceRates:
         return self.matmul_flops.get(dtype, self.matmul_flops.get("f32", min(self.matmul_flops.values())))
 
 
-# H200 SXM: bf16 and f16 dense matrix work at the about 790 TFLOP/s measured on the lent machine (NVIDIA's data
-# sheet: 989); float32 at 67 TFLOP/s (no TF32: torch's default precision); HBM3e at 4.8 TB/s (data sheet); 143771
-# MiB of memory (nvidia-smi on the lent machine).
+# H200 SXM: dense matrix rates for bf16, f16 and float32 (no TF32: torch's default precision), HBM3e bandwidth and
+# memory; where each figure comes from: docs/design.md, "The cost model".
 H200 = DeviceRates(
     name="H200",
     matmul_flops=MappingProxyType({"bf16": 790e12, "f16": 790e12, "f32": 67e12}),

@@ -14,7 +14,6 @@ from thunder_fsdp_mem.report.plot import PhaseAxis, phase_axis, plot_figure, ren
 from thunder_fsdp_mem.report.tables import short_source
 from thunder_fsdp_mem.report.text import render_text
 
-_short = short_source  # the name tests/test_report.py imports
 
 __all__ = [
     "ADVICE_SHARE",
