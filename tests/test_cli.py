@@ -22,7 +22,7 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
     "argv, message",
     [
         (["report", "--n-layers", "0"], "--n-layers must be at least 1"),
-        (["report", "--block-size", "-4"], "--block-size must be at least 1"),
+        (["report", "--block-size", "-4"], "--block-size must be from 1 to 1048576 tokens"),
         (["report", "--model", "no-such-model"], "unknown litgpt model"),
         (["report", "--model", "pythia-70"], "closest: pythia-70m"),
         (["report", "--dtype", "fp8"], "invalid choice"),
@@ -48,6 +48,11 @@ SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mo
         (["fit", "80GB", "--plot", "fit.png"], "unrecognized arguments: --plot"),
         (["fit", "80GB", "--mode", "jit", "--shard", "zero3"], "--shard applies to --mode fsdp2 and thunder-fsdp"),
         (["frobnicate"], "invalid choice"),
+        (["report", "--memory-budget", "1.5"], "a number without a unit is bytes, and 1.5 bytes is less than 1 MiB"),
+        (["fit", "1000"], "write the unit (1000GiB, 1000GB) or the bytes (64e9)"),
+        (["report", "--block-size", "10000000"], "--block-size must be from 1 to 1048576 tokens"),
+        (["report", "--no-transform", "--memory-budget", "60GB"], "--no-transform contradicts --memory-budget"),
+        (["report", "--no-transform", "--no-fusion-rematerialize"], "--no-transform contradicts --[no-]fusion"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -216,12 +221,13 @@ def test_a_model_thunder_cannot_trace_is_said_so_in_one_line(capsys):
 
 
 def test_a_prediction_beyond_the_device_says_so(capsys):
-    # 10 million tokens: the logits alone are 10^7 x 50304 x 2 bytes, a terabyte (no host memory for the batch:
-    # models.batch on meta makes shapes only).
+    # 8 sequences of 2^20 tokens (the longest --block-size takes): the logits alone are 2^23 x 50304 x 2 bytes,
+    # 0.8 TB (no host memory for the batch: models.batch on meta makes shapes only).
     idx, _ = models.batch(models.ModelSpec(name="pythia-14m", block_size=10**9), device="meta")
     assert idx.shape == (1, 10**9) and idx.device.type == "meta"
     assert (
-        main(["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", str(10**7), "--mode", "jit"]) == 0
+        main([*"report --model pythia-14m --n-layers 1 --block-size 1048576 --micro-batch-size 8 --mode jit".split()])
+        == 0
     )
     assert "(more than an H200 holds: 140.40 GiB)" in capsys.readouterr().out.strip().splitlines()[-1]
 

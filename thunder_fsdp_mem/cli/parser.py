@@ -137,8 +137,9 @@ def _add_report_options(report: argparse.ArgumentParser) -> None:
     report.add_argument(
         "--transform",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="also plan the step with FSDPMemoryTransform and show both (default: without only)",
+        default=None,
+        help="also plan the step with FSDPMemoryTransform and show both (default: without only; a budget or "
+        "--[no-]fusion-rematerialize implies it)",
     )
     report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
     report.add_argument(

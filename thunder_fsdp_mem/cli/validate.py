@@ -9,6 +9,7 @@ import os
 
 from thunder_fsdp_mem.cli.parser import UsageError
 
+MAX_BLOCK_SIZE = 2**20  # tokens: beyond any litgpt model's positions, and a prediction of little use
 # The report's options that show one step: the fit search shows none.
 _ONE_STEP_OPTIONS = ("--measure", "--memory-budget", "--snapshot", "--plot", "--memory-cap")
 
@@ -25,7 +26,8 @@ def validate(args) -> None:
 
 
 def parse_size(text: str, option: str) -> int:
-    """A size a person typed, in bytes, more than 0."""
+    """A size a person typed, in bytes, more than 0; a number without a unit is bytes, and must then be at least
+    1 MiB (``1.5`` was meant as 1.5 GB or GiB, not as a byte and a half)."""
     from thunder_fsdp_mem.units import parse_bytes
 
     try:
@@ -34,14 +36,19 @@ def parse_size(text: str, option: str) -> int:
         raise UsageError(f"{option}: {e}") from None
     if size == 0:
         raise UsageError(f"{option} must be more than 0 bytes")
+    if size < 2**20 and not any(c.isalpha() for c in text.replace("e", "").replace("E", "")):
+        raise UsageError(
+            f"{option} {text}: a number without a unit is bytes, and {text} bytes is less than 1 MiB; "
+            f"write the unit ({text}GiB, {text}GB) or the bytes (64e9)"
+        )
     return size
 
 
 def _check_counts(args) -> None:
     if args.n_layers is not None and args.n_layers < 1:
         raise UsageError(f"--n-layers must be at least 1, got {args.n_layers}")
-    if args.block_size < 1:
-        raise UsageError(f"--block-size must be at least 1, got {args.block_size}")
+    if not 1 <= args.block_size <= MAX_BLOCK_SIZE:
+        raise UsageError(f"--block-size must be from 1 to {MAX_BLOCK_SIZE} tokens, got {args.block_size}")
     if args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if args.top < 0:
@@ -52,9 +59,18 @@ def _check_counts(args) -> None:
 
 def _check_sizes(args) -> None:
     """The budget, the cap and the fit's size read as bytes; what each implies or excludes."""
-    if args.fusion_rematerialize is not None:
-        args.transform = True
-    else:
+    implying = [
+        option
+        for option, given in (
+            ("--memory-budget", args.memory_budget is not None),
+            ("--[no-]fusion-rematerialize", args.fusion_rematerialize is not None),
+        )
+        if given
+    ]
+    if getattr(args, "transform", None) is False and implying:
+        raise UsageError(f"--no-transform contradicts {implying[0]}, which plans the step with the transform: drop one")
+    args.transform = bool(getattr(args, "transform", None)) or bool(implying)
+    if args.fusion_rematerialize is None:
         args.fusion_rematerialize = True
     if args.memory_budget is not None:
         args.memory_budget = parse_size(args.memory_budget, "--memory-budget")
