@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -48,9 +47,10 @@ from pathlib import Path
 
 import torch
 
+from tests import support
+
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 STATUSES = ("same", "differ", "rematerialized", "nondeterministic", "transform failed", "skipped")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,17 +201,6 @@ def _all_equal(xs: list, ys: list) -> bool:
     return len(xs) == len(ys) and all(bitwise_equal(x, y) for x, y in zip(xs, ys))
 
 
-def _upstream():
-    """``docs/upstream/reproduce.py`` (the patched rematerialization) as a module, loaded once."""
-    name = "thunder_fsdp_mem_upstream_reproduce"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "upstream" / "reproduce.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def check(cases: list[Case], choice: str, *, attribute: bool = True) -> list[Outcome]:
     """The cases jitted together without the transform and with it; where the batch is not the same bit for bit
     (or does not run), each case on its own, unless ``attribute`` is False (then every case gets the batch's
@@ -242,7 +231,7 @@ def _compare(cases: list[Case], executors: list, choice: str, transform) -> tupl
     if any(not _all_equal(plain, run(cases, executors, [], 0)) for _ in range(2)):
         return "nondeterministic", ""
     if choice != "default":
-        with _upstream().fixed_rematerialization():
+        with support.upstream().fixed_rematerialization():
             intended = run(cases, executors, [], 0)
         if _all_equal(intended, ours):
             return "rematerialized", ""
