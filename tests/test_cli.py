@@ -16,6 +16,7 @@ from thunder_fsdp_mem.training import models
 from thunder_fsdp_mem.cli import main
 
 SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mode", "jit", "--device", "cpu"]
+PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".split()
 
 
 @pytest.mark.parametrize(
@@ -294,15 +295,7 @@ def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
     assert (
         main(
             [
-                "report",
-                "--model",
-                "pythia-14m",
-                "--n-layers",
-                "1",
-                "--block-size",
-                "64",
-                "--mode",
-                "jit",
+                *PYTHIA_64,
                 "--memory-cap",
                 "1GB",
                 "--json",
@@ -330,15 +323,7 @@ def test_a_budget_with_a_cap_is_planned_and_judged_under_the_cap(tmp_path, capsy
     assert (
         main(
             [
-                "report",
-                "--model",
-                "pythia-14m",
-                "--n-layers",
-                "1",
-                "--block-size",
-                "64",
-                "--mode",
-                "jit",
+                *PYTHIA_64,
                 "--memory-budget",
                 "131MiB",
                 "--memory-cap",
