@@ -13,7 +13,11 @@ Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused`
 ``fsdp2.fit_budget``); on CUDA with ``--memory-cap-gb`` the cap is the transform's ``memory_cap`` too, as a user
 tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A
 torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1 (``inductor@amb=0.5``);
-``inductor+ckpt`` checkpoints every block.
+``inductor+ckpt`` checkpoints every block. Any mode takes ``loss``: where the step computes its loss (``eager``,
+the default: cross-entropy on the logits after the compiled model; ``trace``: the model and its loss compiled
+together, ``thunder_fsdp_mem.LossModel``, which a +mem mode chunks; ``liger``, ``cce``: Liger-Kernel's or Cut
+Cross-Entropy's fused linear cross-entropy after the model compiled up to its final norm, from ``pip install
+.[bench]``, a mode skipped with a line where the package is absent; not under Thunder's fsdp or FSDP1).
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -51,7 +55,7 @@ from benchmarks.compare_runs import run_all
 from benchmarks.compare_table import plot, table
 from benchmarks.compare_worker import worker
 from benchmarks.options import UsageError, UsageParser
-from benchmarks.variants import chosen_modes
+from benchmarks.variants import chosen_modes, split_variant
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig
 from thunder_fsdp_mem.training import modes as mode_table
 from thunder_fsdp_mem.training import runtime
@@ -151,6 +155,20 @@ def validate(args) -> list[str]:
     return chosen_modes(args.modes, mode_table.valid_modes(args.nproc_per_node))
 
 
+def _installed(chosen: list[str]) -> list[str]:
+    """The modes whose loss can run here; one line for each left out (an external loss not installed)."""
+    from thunder_fsdp_mem.training import losses
+
+    kept = []
+    for mode in chosen:
+        loss = split_variant(mode).loss
+        if losses.available(loss):
+            kept.append(mode)
+        else:
+            print(f"compare.py: skipped {mode}: {losses.EXTERNAL[loss]} is not installed (pip install .[bench])")
+    return kept
+
+
 def main(argv=None) -> int:
     try:
         args = parser().parse_args(argv)
@@ -160,6 +178,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"compare.py: error: {e}", file=sys.stderr)
         return 2
+    chosen = _installed(chosen)
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "turn_lock", "json", "plot", "jobs")}
     config["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # the workers inherit it
 

@@ -93,9 +93,10 @@ def _setup(args, rank, result: dict):
         memory=memory,
         activation_memory_budget=variant.amb,
         probe=probe,
+        loss=variant.loss,
     )
     idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
-    trainer.precompile(idx)
+    trainer.precompile(idx, targets)
     result.update(_estimate(trainer))
     return trainer, idx, targets
 
@@ -232,7 +233,9 @@ def _estimate(trainer) -> dict:
     from thunder_fsdp_mem import estimate_step
     from thunder_fsdp_mem.analysis.categories import Category
 
-    step = estimate_step(trainer.jitted, loss="cross_entropy", optimizer=trainer.optimizer)
+    # The eager loss is counted on the logits; a loss in the trace is in the traces; an external loss is not seen.
+    loss = "cross_entropy" if trainer.loss == "eager" else None
+    step = estimate_step(trainer.jitted, loss=loss, optimizer=trainer.optimizer)
     gathered = [a for a in step.live_at_peak if a.category is Category.GATHERED_PARAMETER]
     return {
         "estimated_peak_bytes": step.peak_bytes,

@@ -12,7 +12,7 @@ import dataclasses
 from benchmarks.options import UsageError
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.training import modes as mode_table
-from thunder_fsdp_mem.training import runtime
+from thunder_fsdp_mem.training import losses, runtime
 from thunder_fsdp_mem.units import parse_bytes
 
 VARIANT_KEYS = {
@@ -24,11 +24,18 @@ VARIANT_KEYS = {
     "budget": "memory_budget",
     "ex": "executors",
     "amb": "amb",
+    "loss": "loss",
 }
 
 
 def _executor_choice(value: str) -> str:
     if value not in runtime.EXECUTOR_CHOICES:
+        raise ValueError(value)
+    return value
+
+
+def _loss_choice(value: str) -> str:
+    if value not in losses.LOSSES:
         raise ValueError(value)
     return value
 
@@ -49,6 +56,7 @@ _PARSE = {
     "ex": _executor_choice,
     "budget": parse_bytes,
     "amb": _fraction,
+    "loss": _loss_choice,
 }
 _EXPECTED = {
     "fold": "0 or 1",
@@ -56,6 +64,7 @@ _EXPECTED = {
     "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
     "amb": "a number from 0 to 1",
     "budget": "a size (60GB, 55.9GiB)",
+    "loss": f"one of {', '.join(losses.LOSSES)}",
 }
 
 
@@ -63,17 +72,19 @@ _EXPECTED = {
 class Variant:
     """A mode with its own options: ``base``, the mode; ``memory``, ``MemoryConfig`` options of a +mem mode;
     ``executors``, a Thunder mode's executors (None: ``--executors``'); ``amb``: a torch.compile mode's
-    ``activation_memory_budget`` (None: its default)."""
+    ``activation_memory_budget`` (None: its default); ``loss``: where the step computes its loss
+    (``losses.LOSSES``)."""
 
     base: str
     memory: dict
     executors: str | None = None
     amb: float | None = None
+    loss: str = "eager"
 
 
 def split_variant(mode: str) -> Variant:
     """``thunder-fsdp+mem@w=0.1@ag=1@ex=fused`` -> ``Variant``: a mode with its own executors (``ex``), and for a +mem
-    mode its own recompute weight (``w``), windows (``ag``: all-gathers, ``rs``: reduce-scatters), folded casts
+    mode its own recompute weight (``w``), where the step computes its loss (``loss``: eager, trace, liger, cce), windows (``ag``: all-gathers, ``rs``: reduce-scatters), folded casts
     (``fold``: 0 or 1), fusion rematerialization (``fr``: 0 or 1) or memory budget (``budget``), so that one table
     can hold several."""
     base, *parts = mode.split("@")
@@ -88,7 +99,8 @@ def split_variant(mode: str) -> Variant:
             raise UsageError(f"mode {mode!r}: {key} must be {_EXPECTED.get(key, 'a number')}, got {value!r}") from None
     executors = options.pop("executors", None)
     amb = options.pop("amb", None)
-    return Variant(base, options, executors, amb)
+    loss = options.pop("loss", "eager")
+    return Variant(base, options, executors, amb, loss)
 
 
 def chosen_modes(modes: str, valid: tuple[str, ...]) -> list[str]:
@@ -104,12 +116,16 @@ def chosen_modes(modes: str, valid: tuple[str, ...]) -> list[str]:
         if variant.memory and not variant.base.endswith("+mem"):
             raise UsageError(
                 f"mode {m!r}: only +mem modes take the transform's options "
-                f"({', '.join(k for k in VARIANT_KEYS if k not in ('ex', 'amb'))})"
+                f"({', '.join(k for k in VARIANT_KEYS if k not in ('ex', 'amb', 'loss'))})"
             )
         if variant.executors is not None and variant.base not in mode_table.THUNDER_MODES:
             raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
         if variant.amb is not None and variant.base not in mode_table.INDUCTOR_MODES:
             raise UsageError(f"mode {m!r}: only torch.compile's modes take @amb")
+        if variant.loss in losses.EXTERNAL and variant.base in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+            raise UsageError(f"mode {m!r}: {variant.base} shards the head where an external loss cannot gather it")
+        if variant.loss != "eager" and variant.base == "fsdp1-inductor":
+            raise UsageError(f"mode {m!r}: fsdp1-inductor runs the eager loss only")
         try:
             MemoryConfig(**variant.memory)
         except (TypeError, ValueError) as e:

@@ -131,9 +131,9 @@ def test_the_transform_folds_and_keeps_every_bit():
     results = []
     for config in (
         None,
-        MemoryConfig(rematerialize=False, reorder=False, strict=True),
-        MemoryConfig(fold_casts=False, strict=True),
-        MemoryConfig(strict=True),
+        MemoryConfig(rematerialize=False, reorder=False, chunk_loss=False, strict=True),
+        MemoryConfig(fold_casts=False, chunk_loss=False, strict=True),
+        MemoryConfig(chunk_loss=False, strict=True),
     ):
         model = models.build(spec, dtype=torch.bfloat16)
         jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])

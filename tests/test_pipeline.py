@@ -20,6 +20,7 @@ ORDER = [
     ("order", None),
     ("all-gathers", None),
     ("reduce-scatters", None),
+    ("loss chunks", None),
 ]
 # switch -> the passes it removes when False
 REMOVES = {
@@ -29,6 +30,7 @@ REMOVES = {
     "reorder": {"order"},
     "gathers": {"all-gathers"},
     "scatters": {"reduce-scatters"},
+    "chunk_loss": {"loss chunks"},
 }
 SCOPES = {
     "folded casts": Scope.EACH_TRACE,
@@ -38,6 +40,7 @@ SCOPES = {
     "order": Scope.PAIR,
     "all-gathers": Scope.PAIR,
     "reduce-scatters": Scope.BACKWARD,
+    "loss chunks": Scope.EACH_TRACE,
 }
 
 

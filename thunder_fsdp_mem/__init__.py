@@ -4,6 +4,8 @@
 - ``estimate_step(fn) -> StepMemory``: peak memory of one forward and backward of a jitted module;
   ``estimate_traces(forward, backward)``: the same from two execution traces.
 - ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
+- ``LossModel``: a model and its cross-entropy in one module, so that the compiled step ends in the loss (which
+  the transform then chunks).
 - ``plan_fsdp2(model, memory_budget=..., tokens=...) -> MemoryConfig``: the transform's configuration that fits a
   per-rank budget under FSDP2 through ThunderFX.
 
@@ -23,6 +25,7 @@ _WHERE = {
     "estimate_step": "thunder_fsdp_mem.analysis.step",
     "estimate_traces": "thunder_fsdp_mem.analysis.step",
     "MemoryConfig": "thunder_fsdp_mem.config",
+    "LossModel": "thunder_fsdp_mem.loss.model",
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
     "format_bytes": "thunder_fsdp_mem.units",
     "plan_fsdp2": "thunder_fsdp_mem.predict.plan",

@@ -59,6 +59,12 @@ class MemoryConfig:
     budget_optimizer: the optimizer counted in ``memory_budget``'s step (``adamw``: two moments of each trained
         parameter, the shard under FSDP, and the temporaries of its step as torch runs it by default on the
         traces' device: ``foreach`` on CUDA; None: none).
+    chunk_loss: compute a cross-entropy on a linear layer's output inside the traced program (the model and its
+        loss jitted together: ``thunder_fsdp_mem.LossModel``) as a chunked linear cross-entropy
+        (``thunder_fsdp_mem.loss``): no more than one chunk of logits is alive, forward or backward, and the
+        gradients of the head are computed with the loss. The chunk count is the fewest that keeps the step's
+        estimated peak (or budget). Its results differ from the unchunked loss's by rounding (``docs/accuracy.md``
+        gives the tolerances); False keeps Thunder's loss.
     strict: raise instead of warning when a trace is not understood, a rewrite fails its checks, or a budget
         cannot be met (a warning returns the trace unchanged, or rewritten to the least peak reachable).
     """
@@ -78,10 +84,20 @@ class MemoryConfig:
     saved_budget: int | None = None
     budget_loss: str | None = "cross_entropy"
     budget_optimizer: str | None = "adamw"
+    chunk_loss: bool = True
     strict: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fold_casts", "rematerialize", "fusion_rematerialize", "reorder", "gathers", "scatters", "strict"):
+        for name in (
+            "fold_casts",
+            "rematerialize",
+            "fusion_rematerialize",
+            "reorder",
+            "gathers",
+            "scatters",
+            "chunk_loss",
+            "strict",
+        ):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
         w = self.recompute_weight
         _check("recompute_weight", w, _number(w) and math.isfinite(w) and w >= 0, "a finite number >= 0")

@@ -12,6 +12,7 @@ fills in, before Thunder turns either into Python.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 from thunder.core.compile_data import get_compile_data
@@ -21,9 +22,10 @@ from thunder.distributed import FSDPType
 
 from thunder_fsdp_mem.analysis.step import parameter_order
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.loss.rewrite import rewrite_losses
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
 from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator
-from thunder_fsdp_mem.passes.pipeline import DECLARED, pipeline
+from thunder_fsdp_mem.passes.pipeline import CHUNKED_LOSS, DECLARED, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -79,6 +81,23 @@ class FSDPMemoryTransform(Transform):
         self._pending: tuple[TraceCtx, TraceCtx] | None = None  # (the trace we returned, the forward received)
         self._pairs = 0
         self.rewrites: list[Rewrite] = []
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        """Before autograd: a cross-entropy on a linear layer's output becomes the chunked linear cross-entropy
+        (``MemoryConfig.chunk_loss``), whose forward and backward Thunder then derives from its grad rule."""
+        if not self.config.chunk_loss:
+            return prologue_trace, computation_trace, epilogue_trace
+        started = time.perf_counter()
+        computation_trace, found = rewrite_losses(computation_trace)
+        for f in found:
+            rows, vocab = f.logits_shape
+            note = f"{f.dtype} logits ({rows}, {vocab}) in {f.chunks} chunks" + (
+                f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
+            )
+            self.rewrites.append(
+                Rewrite(CHUNKED_LOSS, Outcome.APPLIED, self._pairs, seconds=time.perf_counter() - started, note=note)
+            )
+        return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         c = self.config

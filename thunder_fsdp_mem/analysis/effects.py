@@ -30,7 +30,7 @@ from enum import Enum, auto
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 
-from thunder_fsdp_mem.analysis import layout
+from thunder_fsdp_mem.analysis import chunked_loss, layout
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
@@ -320,6 +320,16 @@ def _unknown_strides(bsym, name: str) -> layout.Strides:
 
 
 def _workspace(bsym, sid: str, args: Sequence[TensorLike], strides_of: StridesOf) -> int:
+    if sid in chunked_loss.SYMBOLS:
+        hidden, weight = bsym.args[0], bsym.args[1]
+        return chunked_loss.workspace_bytes(
+            _prod(shape(hidden)[:-1]),
+            shape(weight)[0],
+            bsym.args[chunked_loss.CHUNKS_ARG],
+            weight_bytes=weight.dtype.bytes,
+            softcap=bsym.args[chunked_loss.SOFTCAP_ARG] is not None,
+            device_type=hidden.device.type,
+        )
     if sid in ("matmul", "linear") and len(args) >= 2:
         return _matmul_workspace(sid, args[0], args[1], strides_of)
     if sid in ("softmax", "log_softmax") and args:

@@ -113,7 +113,7 @@ UNPACK_IDS = frozenset(
     }
 )
 # Executors whose symbols follow torch's semantics op by op.
-KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "sdpa_cudnn", "cudnn", "fa3", "custom_op"})
+KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "sdpa_cudnn", "cudnn", "fa3", "custom_op", "fsdp_mem_loss"})
 
 # Thunder prims that are views, by the name of the torch-executor op with the same semantics.
 _PRIM_VIEWS = {

@@ -17,7 +17,9 @@ what it rewrites, the function that proposes its rewrite); ``DECLARED`` lists th
    ``regather`` says), then the all-gathers of both traces in a window. Last but one: the memory-only judge of the
    order would move all-gathers next to their waits;
 7. ``reduce-scatters`` (``scatters.PASS``; ``scatters``), under Thunder's fsdp: each issued when its gradient is
-   complete.
+   complete;
+8. ``loss chunks`` (``chunks.PASS``; ``chunk_loss``): the fewest chunks of each chunked linear cross-entropy
+   (put in the trace before autograd by ``loss.rewrite``) that keep the estimated peak.
 
 What judges them is ``budget.estimator(config, pair)``, and with a memory cap ``budget.cap_shortfall(config)``.
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import casts, fusions, gathers, recompute, reorder, scatters
+from thunder_fsdp_mem.passes import casts, chunks, fusions, gathers, recompute, reorder, scatters
 from thunder_fsdp_mem.passes.declaration import Declaration
 from thunder_fsdp_mem.passes.driver import Pass
 
@@ -39,9 +41,11 @@ DECLARED: tuple[Declaration, ...] = (
     reorder.PASS,
     gathers.PASS,
     scatters.PASS,
+    chunks.PASS,
 )
 FOLD, FUSIONS, REMATERIALIZE, ORDER = casts.PASS.name, fusions.PASS.name, recompute.PASS.name, reorder.PASS.name
 ALL_GATHERS, REDUCE_SCATTERS = gathers.PASS.name, scatters.PASS.name
+CHUNKED_LOSS = "chunked loss"  # before autograd (``loss.rewrite``), recorded beside the passes
 
 
 def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:

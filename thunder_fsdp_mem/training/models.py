@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from litgpt import GPT, Config
 
+from thunder_fsdp_mem.loss.model import LossModel
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -79,18 +81,6 @@ def parse_overrides(pairs: list[str]) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"--override takes FIELD=INT, got {pair!r}")
         out.append((key, int(value)))
     return tuple(out)
-
-
-class LossModel(torch.nn.Module):
-    """``GPT`` followed by cross-entropy, so that ``thunder.jit`` sees (and frees) the whole step."""
-
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.gpt(idx)
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def build(

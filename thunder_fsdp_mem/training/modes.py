@@ -19,7 +19,8 @@ import thunder
 from litgpt import GPT
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.loss.model import HiddenStates, LossModel
+from thunder_fsdp_mem.training import losses, models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
@@ -57,14 +58,16 @@ class Trainer:
     jitted: torch.nn.Module | None = None
     backend: object | None = None
     transform: object | None = None  # the FSDPMemoryTransform of a +mem mode
+    loss: str = "eager"  # where the step computes its loss (``losses.LOSSES``)
 
-    def precompile(self, idx: torch.Tensor) -> bool:
+    def precompile(self, idx: torch.Tensor, targets: torch.Tensor) -> bool:
         """Compile for ``idx`` without running anything on the device, where the compiler can: ``thunder.jit``
         traces and transforms on proxies, so the first step then finds its program in the cache. Dynamo compiles
         while it runs the step, so the other modes compile in their first step. True if it compiled here."""
         if self.jitted is None:
             return False
-        thunder.compile_data(self.jitted).get_computation_and_inputs(idx)
+        args = (idx, targets) if self.loss == "trace" else (idx,)
+        thunder.compile_data(self.jitted).get_computation_and_inputs(*args)
         return True
 
     def park(self) -> None:
@@ -88,8 +91,11 @@ class Trainer:
         self, idx: torch.Tensor, targets: torch.Tensor, after_backward: Callable[[], None] | None = None
     ) -> torch.Tensor:
         """One training step; ``after_backward`` is called between the backward and the optimizer step."""
-        logits = self.model(idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        if self.loss == "eager":
+            logits = self.model(idx)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        else:
+            loss = self.model(idx, targets)
         loss.backward()
         if after_backward is not None:
             after_backward()
@@ -109,10 +115,18 @@ def build(
     memory: MemoryConfig = MemoryConfig(),
     probe=None,
     activation_memory_budget: float | None = None,
+    loss: str = "eager",
 ) -> Trainer:
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
-    with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0)."""
+    with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
+    ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss;
+    ``liger``/``cce`` (single-device modes and FSDP2) compile the model up to its final norm and run that fused
+    loss after it."""
+    if loss not in losses.LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(losses.LOSSES)}, got {loss!r}")
+    if loss in losses.EXTERNAL and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+        raise ValueError(f"mode {mode} shards the head's weight where an external loss cannot gather it")
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
     if activation_memory_budget is not None:
@@ -124,20 +138,24 @@ def build(
 
         torch._functorch.config.activation_memory_budget = activation_memory_budget
     builders: dict[str, Callable[..., Trainer]] = {
-        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=None, probe=probe),
-        "thunder-fsdp+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=shard, mem=memory, probe=probe),
-        "fsdp2-thunder": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("thunder", executors, None, probe)),
-        "fsdp2-thunder+mem": lambda: _fsdp2(
-            mode, spec, rank, shard, dtype, compiler=("thunder", executors, memory, probe)
+        "thunder-fsdp": lambda: _thunder(mode, spec, rank, executors, dtype, loss, shard=shard, mem=None, probe=probe),
+        "thunder-fsdp+mem": lambda: _thunder(
+            mode, spec, rank, executors, dtype, loss, shard=shard, mem=memory, probe=probe
         ),
-        "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=("inductor",)),
-        "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, compiler=None),
-        "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype),
-        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=None, probe=probe),
-        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, shard=None, mem=memory, probe=probe),
-        "inductor": lambda: _plain(mode, spec, rank, dtype, compile_=True),
-        "inductor+ckpt": lambda: _plain(mode, spec, rank, dtype, compile_=True, checkpointed=True),
-        "eager": lambda: _plain(mode, spec, rank, dtype, compile_=False),
+        "fsdp2-thunder": lambda: _fsdp2(
+            mode, spec, rank, shard, dtype, loss, compiler=("thunder", executors, None, probe)
+        ),
+        "fsdp2-thunder+mem": lambda: _fsdp2(
+            mode, spec, rank, shard, dtype, loss, compiler=("thunder", executors, memory, probe)
+        ),
+        "fsdp2-inductor": lambda: _fsdp2(mode, spec, rank, shard, dtype, loss, compiler=("inductor",)),
+        "fsdp2-eager": lambda: _fsdp2(mode, spec, rank, shard, dtype, loss, compiler=None),
+        "fsdp1-inductor": lambda: _fsdp1(mode, spec, rank, shard, dtype, loss),
+        "thunder": lambda: _thunder(mode, spec, rank, executors, dtype, loss, shard=None, mem=None, probe=probe),
+        "thunder+mem": lambda: _thunder(mode, spec, rank, executors, dtype, loss, shard=None, mem=memory, probe=probe),
+        "inductor": lambda: _plain(mode, spec, rank, dtype, loss, compile_=True),
+        "inductor+ckpt": lambda: _plain(mode, spec, rank, dtype, loss, compile_=True, checkpointed=True),
+        "eager": lambda: _plain(mode, spec, rank, dtype, loss, compile_=False),
     }
     if mode not in builders:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(builders)}")
@@ -171,20 +189,41 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def _thunder(mode, spec, rank, executors, dtype, *, shard: str | None, mem, probe) -> Trainer:
+def _with_loss(gpt: GPT, loss: str, compile_body: Callable[[torch.nn.Module], torch.nn.Module]):
+    """(the module a step calls, the compiled part of it): the model itself (``eager``), the model and its loss
+    (``trace``), or an external loss after the compiled hidden states (``liger``, ``cce``)."""
+    if loss == "eager":
+        compiled = compile_body(gpt)
+        return compiled, compiled
+    if loss == "trace":
+        compiled = compile_body(LossModel(gpt))
+        return compiled, compiled
+    model = losses.ExternalLoss(gpt, loss)
+    model.set_body(compile_body(HiddenStates(gpt)))
+    return model, model.body
+
+
+def _thunder(mode, spec, rank, executors, dtype, loss, *, shard: str | None, mem, probe) -> Trainer:
     """``mem``: the MemoryConfig of the transform, None for none."""
     transform = FSDPMemoryTransform(mem) if mem is not None else None
     transforms = [t for t in (transform, probe) if t is not None]
-    jitted = thunder.jit(_gpt(spec, rank, dtype), executors=runtime.executors(executors), transforms=transforms)
+    model, jitted = _with_loss(
+        _gpt(spec, rank, dtype),
+        loss,
+        lambda m: thunder.jit(m, executors=runtime.executors(executors), transforms=transforms),
+    )
     if shard is not None:  # Thunder's FSDPTransform comes last; it does nothing after the optimization
-        jitted = runtime.thunder_fsdp(jitted, shard=shard, device=rank.device)
-    return Trainer(mode, jitted, _adamw(jitted), jitted=jitted, transform=transform)
+        jitted = model = runtime.thunder_fsdp(jitted, shard=shard, device=rank.device)
+    return Trainer(mode, model, _adamw(model), jitted=jitted, transform=transform, loss=loss)
 
 
-def shard_fsdp2(gpt: GPT, shard: str) -> GPT:
+def shard_fsdp2(gpt: GPT, shard: str, root: torch.nn.Module | None = None) -> torch.nn.Module:
     """``fully_shard`` on each Block, ``lm_head``, ``wte``, ``ln_f`` and the root, as ``benchmark_litgpt.py`` wraps
     a litgpt model; ``shard``: zero2, or zero3 (``reshard_after_forward``). The parameters are computed in the dtype
-    they are in (bf16 in every benchmark: the ``MixedPrecisionPolicy`` casts nothing then)."""
+    they are in (bf16 in every benchmark: the ``MixedPrecisionPolicy`` casts nothing then). ``root``: a module
+    holding ``gpt`` and its loss (``LossModel``, ``losses.ExternalLoss``), the root unit then, which keeps the head
+    (no unit of its own, whose hooks would break Dynamo's graph between the head and the loss) and, where the
+    embedding shares the head's weight, the embedding. Returns the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dtype = next(gpt.parameters()).dtype
@@ -192,17 +231,20 @@ def shard_fsdp2(gpt: GPT, shard: str) -> GPT:
     reshard = shard == "zero3"
     for block in gpt.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard)
-    for module in (gpt.lm_head, gpt.transformer.wte, gpt.transformer.ln_f):
+    own = [gpt.transformer.ln_f]
+    if root is None:
+        own += [gpt.lm_head, gpt.transformer.wte]
+    elif gpt.transformer.wte.weight is not gpt.lm_head.weight:
+        own.append(gpt.transformer.wte)
+    for module in own:
         fully_shard(module, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(gpt, mp_policy=policy, reshard_after_forward=reshard)
-    return gpt
+    root = gpt if root is None else root
+    fully_shard(root, mp_policy=policy, reshard_after_forward=reshard)
+    return root
 
 
-def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
-    gpt = shard_fsdp2(_gpt(spec, rank, dtype), shard)
-    optimizer = _adamw(gpt)
+def _fsdp2(mode, spec, rank, shard, dtype, loss, *, compiler) -> Trainer:
     backend = transform = None
-    model: torch.nn.Module = gpt
     if compiler is not None and compiler[0] == "thunder":
         from thunder.dynamo import ThunderCompiler
 
@@ -210,13 +252,26 @@ def _fsdp2(mode, spec, rank, shard, dtype, *, compiler) -> Trainer:
         transform = FSDPMemoryTransform(mem) if mem is not None else None
         transforms = [t for t in (transform, probe) if t is not None]  # fresh: ThunderCompiler appends to it
         backend = ThunderCompiler(executors=runtime.executors(executors), transforms=transforms)
-        model = torch.compile(gpt, backend=backend)
-    elif compiler is not None:
-        model = torch.compile(gpt)
-    return Trainer(mode, model, optimizer, backend=backend, transform=transform)
+
+    def compile_body(module):
+        if compiler is None:
+            return module
+        return torch.compile(module, backend=backend) if backend is not None else torch.compile(module)
+
+    gpt = _gpt(spec, rank, dtype)
+    if loss == "eager":
+        root = shard_fsdp2(gpt, shard)
+        model = compile_body(root)
+    elif loss == "trace":
+        root = shard_fsdp2(gpt, shard, LossModel(gpt))
+        model = compile_body(root)
+    else:
+        root = model = shard_fsdp2(gpt, shard, losses.ExternalLoss(gpt, loss))
+        model.set_body(compile_body(HiddenStates(gpt)))
+    return Trainer(mode, model, _adamw(root), backend=backend, transform=transform, loss=loss)
 
 
-def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:
+def _fsdp1(mode, spec, rank, shard, dtype, loss) -> Trainer:
     import functools
 
     from litgpt.model import Block
@@ -232,14 +287,17 @@ def _fsdp1(mode, spec, rank, shard, dtype) -> Trainer:
         device_id=rank.device,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
     )
+    if loss != "eager":
+        raise ValueError(f"mode {mode} runs the eager loss only")
     return Trainer(mode, torch.compile(wrapped), _adamw(wrapped))
 
 
-def _plain(mode, spec, rank, dtype, *, compile_: bool, checkpointed: bool = False) -> Trainer:
+def _plain(mode, spec, rank, dtype, loss, *, compile_: bool, checkpointed: bool = False) -> Trainer:
     gpt = _gpt(spec, rank, dtype)
     if checkpointed:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, block in enumerate(gpt.transformer.h):
             gpt.transformer.h[i] = checkpoint_wrapper(block)
-    return Trainer(mode, torch.compile(gpt) if compile_ else gpt, _adamw(gpt))
+    model, _ = _with_loss(gpt, loss, torch.compile if compile_ else (lambda m: m))
+    return Trainer(mode, model, _adamw(gpt), loss=loss)

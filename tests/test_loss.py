@@ -1,0 +1,227 @@
+"""The chunked linear cross-entropy (``loss.operator``, ``loss.rewrite``, ``loss.model``, ``passes.chunks``,
+``analysis.chunked_loss``): loss and every gradient against eager PyTorch on litgpt families with a soft-capped head,
+a biased head, tied weights and ignored tokens, in several uneven chunks; the trace holds no logits; what it leaves
+alone; the workspace the estimator counts against what the allocator sees; the chunk count the pass chooses.
+
+Tolerances (``docs/accuracy.md``): float32, against eager PyTorch, every gradient within 1e-5 of its largest
+magnitude and the loss within 1e-6 relative; bf16, against Thunder's unchunked step, within 2^-6 of the largest
+magnitude (the gradient of the logits is rounded to bf16 once, where the unchunked loss rounds each op of the loss
+and the soft-cap) and the loss within 2^-8 relative.
+"""
+
+import dataclasses
+
+import pytest
+import thunder
+import torch
+from thunder.core.transform_common import Transform
+
+from configs import BY_NAME
+from support import memtracker_peak
+from thunder_fsdp_mem import FSDPMemoryTransform, LossModel, MemoryConfig, estimate_step
+from thunder_fsdp_mem.analysis import chunked_loss
+from thunder_fsdp_mem.analysis.step import estimate_traces
+from thunder_fsdp_mem.analysis.symbols import sym_id
+from thunder_fsdp_mem.loss import operator
+from thunder_fsdp_mem.loss.rewrite import rewrite_losses
+from thunder_fsdp_mem.passes import chunks as chunks_pass
+from thunder_fsdp_mem.predict.cpu_memory import CPUMemory
+from thunder_fsdp_mem.training import models
+
+TINY = (("n_embd", 64), ("n_head", 2), ("head_size", 32), ("intermediate_size", 128))
+SPECS = {
+    # gemma-2: soft-capped logits, tied embedding and head
+    "softcap-tied": models.ModelSpec(
+        name="gemma-2-2b",
+        n_layers=1,
+        block_size=128,
+        overrides=TINY + (("n_query_groups", 1), ("padded_vocab_size", 512), ("vocab_size", 500)),
+    ),
+    # phi-2: a bias on the head, partial rotary, parallel residual
+    "biased-head": models.ModelSpec(
+        name="phi-2", n_layers=1, block_size=128, overrides=TINY + (("padded_vocab_size", 512), ("vocab_size", 512))
+    ),
+    "llama": dataclasses.replace(BY_NAME["llama"], n_layers=1),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+
+
+class _Chunked(Transform):
+    """The rewrite alone, with a chosen chunk count (no other pass, no estimator)."""
+
+    def __init__(self, chunks: int):
+        self.chunks = chunks
+        self.found = ()
+
+    def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
+        computation, self.found = rewrite_losses(computation, chunks=self.chunks)
+        return prologue, computation, epilogue
+
+
+def _targets(spec, batch: int = 2):
+    g = torch.Generator().manual_seed(1)
+    cfg = spec.config()
+    idx = torch.randint(0, cfg.vocab_size, (batch, spec.block_size), generator=g)
+    targets = torch.randint(0, cfg.vocab_size, (batch, spec.block_size), generator=g)
+    targets[0, :37] = -100  # ignored tokens: the mean is over the others
+    return idx, targets
+
+
+def _step(model, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), grads
+
+
+def _assert_close(reference, candidate, dtype):
+    (loss, grads), (loss_c, grads_c) = reference, candidate
+    assert abs(loss.float().item() - loss_c.float().item()) <= max(1e-6, TOLERANCE[dtype] / 4) * abs(loss.item())
+    assert grads.keys() == grads_c.keys()
+    for name, g in grads.items():
+        scale = g.float().abs().max().item()
+        diff = (g.float() - grads_c[name].float()).abs().max().item()
+        assert diff <= TOLERANCE[dtype] * scale, (name, diff, scale)
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_loss_and_every_gradient_in_uneven_chunks_match_eager(family):
+    spec = SPECS[family]
+    idx, targets = _targets(spec)
+    for dtype in (torch.float32, torch.bfloat16):
+        # bf16: against Thunder's unchunked step, which already rounds unlike eager in the rest of the model
+        model = models.build(spec, dtype=dtype)
+        reference = _step(model if dtype == torch.float32 else thunder.jit(model), idx, targets)
+        transform = _Chunked(3)  # 256 rows in chunks of 86, 86 and 84
+        jitted = thunder.jit(models.build(spec, dtype=dtype), transforms=[transform])
+        chunked = _step(jitted, idx, targets)
+        _assert_close(reference, chunked, dtype)
+        assert len(transform.found) == 1 and transform.found[0].chunks == 3
+        cfg = spec.config()
+        assert transform.found[0].softcap == cfg.final_logit_softcapping
+        assert transform.found[0].bias is cfg.lm_head_bias
+        forward = thunder.last_traces(jitted)[-1]
+        names = [sym_id(b) for b in forward.bound_symbols]
+        assert chunked_loss.FORWARD_WITH_GRADS in names and "cross_entropy" not in names
+        vocab = cfg.padded_vocab_size
+        logits_sized = [o for b in forward.bound_symbols for o in b.flat_proxy_outs if vocab in getattr(o, "shape", ())]
+        assert all(len(o.shape) == 1 or o.shape == (vocab, cfg.n_embd) for o in logits_sized), logits_sized
+
+
+def test_the_default_transform_chunks_the_loss_within_tolerance():
+    spec = SPECS["softcap-tied"]
+    idx, targets = _targets(spec)
+    eager = _step(models.build(spec, dtype=torch.float32), idx, targets)
+    transform = FSDPMemoryTransform(strict=True)
+    chunked = _step(thunder.jit(models.build(spec, dtype=torch.float32), transforms=[transform]), idx, targets)
+    _assert_close(eager, chunked, torch.float32)
+    assert [r.pass_name for r in transform.rewrites][:1] == ["chunked loss"]
+    assert "f32 logits (256, 512)" in transform.summary() and "soft-capped at 30" in transform.summary()
+
+
+def test_every_token_ignored_gives_torchs_nan_and_finite_gradients():
+    spec = SPECS["llama"]
+    idx, _ = _targets(spec)
+    targets = torch.full_like(idx, -100)
+    eager_loss, _ = _step(models.build(spec, dtype=torch.float32), idx, targets)
+    loss, grads = _step(thunder.jit(models.build(spec, dtype=torch.float32), transforms=[_Chunked(2)]), idx, targets)
+    assert torch.isnan(eager_loss) and torch.isnan(loss)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def _losses_in(fn, *args):
+    jitted = thunder.jit(fn, transforms=[transform := _Chunked(2)])
+    jitted(*args)
+    return transform.found
+
+
+def test_losses_it_cannot_chunk_are_left_alone():
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    t = torch.randint(0, 16, (4,))
+    ce = torch.nn.functional.cross_entropy
+    linear = torch.nn.functional.linear
+    assert len(_losses_in(lambda h, w, t: ce(linear(h, w), t), h, w, t)) == 1
+    assert _losses_in(lambda h, w, t: (ce(logits := linear(h, w), t), logits), h, w, t) == ()  # logits returned
+    assert _losses_in(lambda h, w, t: ce(linear(h, w), t, label_smoothing=0.1), h, w, t) == ()
+    assert _losses_in(lambda h, w, t: ce(linear(h, w), t, reduction="none"), h, w, t) == ()
+    assert _losses_in(lambda h, w, t: ce(linear(h, w), t, weight=torch.ones(16)), h, w, t) == ()
+    assert _losses_in(lambda h, w, t: ce(linear(h, w) * 2.0, t), h, w, t) == ()  # not a soft-cap
+    assert _losses_in(lambda h, w, t: ce(linear(h, w).exp(), t), h, w, t) == ()
+    assert len(_losses_in(lambda h, w, t: ce(linear(h, w), t, reduction="sum"), h, w, t)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_the_workspace_counted_is_what_the_allocator_sees(dtype, softcap):
+    rows, hidden, vocab, chunks = 512, 64, 4096, 2
+    h = torch.randn(rows, hidden, dtype=dtype)
+    w = torch.randn(vocab, hidden, dtype=dtype)
+    t = torch.randint(0, vocab, (rows,))
+    with CPUMemory(h, w, t) as memory:
+        out = operator._run(h, w, None, t, -100, softcap, "mean", chunks, dtype, grads=True)
+    outputs = sum(o.nbytes for o in out)
+    measured = memory.peak_bytes - memory.baseline_bytes - outputs
+    counted = chunked_loss.workspace_bytes(
+        rows, vocab, chunks, weight_bytes=dtype.itemsize, softcap=softcap is not None, device_type="cpu"
+    )
+    # hand-computed: 256 x 4096 cells of float32 (and the 16-bit logits or the soft-cap's derivative beside them)
+    cells = 256 * 4096
+    assert (
+        counted == cells * {(4, False): 4, (4, True): 8, (2, False): 6, (2, True): 8}[(dtype.itemsize, bool(softcap))]
+    )
+    assert counted <= measured <= counted * 1.01, (measured, counted)
+
+
+def test_row_chunks_and_candidates():
+    assert chunked_loss.row_chunks(10, 3) == [(0, 4), (4, 8), (8, 10)]
+    assert chunked_loss.row_chunks(2, 5) == [(0, 1), (1, 2)]
+    assert chunked_loss.candidate_chunks(255) == [1]
+    assert chunked_loss.candidate_chunks(8192) == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.fixture(scope="module")
+def long_step():
+    neox = BY_NAME["neox"]  # with a vocabulary whose logits outweigh the rest of the step
+    spec = dataclasses.replace(
+        neox, n_layers=1, block_size=1024, overrides=neox.overrides + (("padded_vocab_size", 8192),)
+    )
+    model = models.build(spec, dtype=torch.float32)
+    idx, targets = models.batch(spec)
+    transform = FSDPMemoryTransform()
+    jitted = thunder.jit(model, transforms=[transform])
+    return jitted, transform, idx, targets
+
+
+def test_the_chunk_count_is_the_fewest_that_keeps_the_estimated_peak(long_step):
+    jitted, transform, idx, targets = long_step
+    jitted(idx, targets)
+    forward, backward = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+    (loss,) = [b for b in forward.bound_symbols if sym_id(b) == chunked_loss.FORWARD_WITH_GRADS]
+    chosen = loss.args[chunked_loss.CHUNKS_ARG]
+    candidates = chunked_loss.candidate_chunks(1024)
+    assert candidates == [1, 2, 4]
+    peaks = {c: estimate_traces(chunks_pass.with_chunks(forward, c), backward).peak_bytes for c in candidates}
+    assert peaks[1] > peaks[4]  # at 1024 rows the loss's logits set the peak: chunking lowers it
+    assert chosen == min(c for c in candidates if peaks[c] <= peaks[candidates[-1]]), (chosen, peaks)
+    assert [r.note for r in transform.rewrites if r.pass_name == "loss chunks"][0].startswith(f"{chosen} chunk(s)")
+
+
+def test_the_estimate_of_the_chunked_step_is_what_memtracker_measures(long_step):
+    jitted, _, idx, targets = long_step
+    for p in jitted.parameters():
+        p.grad = None
+    measured = memtracker_peak(jitted, idx, targets, tracked=(jitted,))
+    estimated = estimate_step(jitted, loss=None).peak_bytes
+    assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+
+
+def test_loss_model_is_the_model_and_its_loss():
+    spec = SPECS["softcap-tied"]
+    idx, targets = _targets(spec)
+    model = models.build(spec, dtype=torch.float32)
+    assert isinstance(model, LossModel)
+    logits = model.gpt(idx)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    assert torch.equal(model(idx, targets), expected)
+    assert MemoryConfig().chunk_loss and not MemoryConfig(chunk_loss=False).chunk_loss

@@ -1,0 +1,159 @@
+"""The chunked linear cross-entropy as a Thunder operator: the loss of ``cross_entropy(softcap(linear(h, W, b)),
+targets)`` without ever holding more than one chunk of logits, forward or backward.
+
+Each chunk of rows computes its logits (one cuBLAS matmul), its share of the loss and, at once, the gradient of
+those logits (softmax minus the one-hot of the target, over the tokens counted, through the soft-cap's derivative),
+from which it adds its part of the gradients of the hidden states, the weight and the bias (two more matmuls): the
+three matmuls of the unchunked program, no more. The gradients are kept for backward, which only multiplies them by
+the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives).
+
+- ``linear_cross_entropy(h, W, b, targets, ignore_index, softcap, reduction, chunks)``: the loss (a Thunder
+  symbol with a grad rule, what ``rewrite`` puts in the trace); run without autograd it computes the loss alone.
+- ``linear_cross_entropy_with_grads(...)``: the loss and the gradients (what the forward runs under autograd).
+
+On CUDA a chunk's work runs through ``torch.compile`` (the matmul, then one reduction and one pointwise kernel
+that read the logits and write their gradient); on CPU through eager torch ops, in place where they can be. The gradient of the weight is accumulated over chunks
+in the weight's dtype (one rounding per chunk, as Liger's fused loss does); ``docs/accuracy.md`` gives the
+tolerances against eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.transforms import get_grad, put_grad, register_grad
+from thunder.extend import OperatorExecutor, register_executor
+
+from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, row_chunks
+
+loss_ex = OperatorExecutor(EXECUTOR, version="0.1")
+register_executor(loss_ex)
+
+
+def _loss_meta(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
+    return TensorProxy(like=hidden, shape=(), dtype=loss_dtype)
+
+
+def _with_grads_meta(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
+    loss = TensorProxy(like=hidden, shape=(), dtype=loss_dtype)
+    grads = [TensorProxy(like=hidden), TensorProxy(like=weight)]
+    if bias is not None:
+        grads.append(TensorProxy(like=bias))
+    return (loss, *grads)
+
+
+def _chunk_math(rows, weight, bias, targets, ignore_index: int, softcap, scale):
+    """For one chunk of hidden states ``rows``: the loss summed over the rows that count (float32) and the gradient
+    of the mean (or summed) loss with respect to the chunk's logits (``scale``: 1/tokens counted, or 1), in the
+    weight's dtype. In place where it can, so that the chunk's logits die at their float32 copy."""
+    z = torch.addmm(bias, rows, weight.t()) if bias is not None else rows @ weight.t()
+    if z.dtype != torch.float32:
+        z = z.float()
+    derivative = None
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        derivative = torch.square(z).neg_().add_(1.0)
+        z.mul_(softcap)
+    valid = targets != ignore_index
+    safe = targets.masked_fill(~valid, 0).unsqueeze(-1)
+    z.sub_(z.amax(dim=-1, keepdim=True))
+    picked = z.gather(-1, safe)
+    z.exp_()
+    total = z.sum(dim=-1, keepdim=True)
+    loss_sum = torch.where(valid, (total.log() - picked).squeeze(-1), 0.0).sum()
+    z.div_(total)
+    z.scatter_add_(-1, safe, torch.full_like(picked, -1.0))
+    z.mul_((valid.to(z.dtype) * scale).unsqueeze(-1))
+    if derivative is not None:
+        z.mul_(derivative)
+        del derivative
+    return loss_sum, z.to(weight.dtype)
+
+
+def _chunk_math_fused(rows, weight, bias, targets, ignore_index: int, softcap, scale):
+    """``_chunk_math`` written for ``torch.compile``: no op in place and the one-hot as a comparison with an iota,
+    so that Inductor reads the chunk's logits in one reduction kernel and one pointwise kernel that writes their
+    gradient, with no float32 buffer of the chunk's size between them."""
+    z = (torch.addmm(bias, rows, weight.t()) if bias is not None else rows @ weight.t()).float()
+    if softcap is not None:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, 0)
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss_sum = torch.where(valid, lse - picked, 0.0).sum()
+    one_hot = torch.arange(z.shape[-1], device=z.device) == safe.unsqueeze(-1)
+    grad = (torch.exp(z - lse.unsqueeze(-1)) - one_hot.to(z.dtype)) * (valid.to(z.dtype) * scale).unsqueeze(-1)
+    if softcap is not None:
+        grad = grad * (1.0 - capped * capped)
+    return loss_sum, grad.to(weight.dtype)
+
+
+@functools.cache
+def _compiled_chunk_math():
+    return torch.compile(_chunk_math_fused, dynamic=False, fullgraph=True)
+
+
+def _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads: bool):
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    counted = (t != ignore_index).sum()
+    # The mean over no counted token is nan, as torch's is; a scale of 0 then keeps the gradients finite.
+    scale = (1.0 / counted.clamp(min=1).to(torch.float32)) if reduction == "mean" else torch.ones((), device=h.device)
+    grad_h = torch.empty_like(h) if grads else None
+    grad_w = torch.zeros_like(weight) if grads else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads and bias is not None else None
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start, stop in row_chunks(h.shape[0], chunks):
+        rows = h[start:stop]
+        chunk_math = _compiled_chunk_math() if rows.is_cuda else _chunk_math
+        loss_sum, grad = chunk_math(rows, weight, bias, t[start:stop], ignore_index, softcap, scale)
+        total += loss_sum
+        if grads:
+            torch.mm(grad, weight, out=grad_h[start:stop])
+            grad_w.addmm_(grad.t(), rows)
+            if grad_b is not None:
+                grad_b += grad.sum(dim=0, dtype=torch.float32)
+        del grad
+    if reduction == "mean":
+        total = torch.where(counted > 0, total * scale, torch.nan)
+    loss = total.to(loss_dtype)
+    if not grads:
+        return loss
+    out = [loss, grad_h.view(hidden.shape), grad_w]
+    if grad_b is not None:
+        out.append(grad_b.to(bias.dtype))
+    return tuple(out)
+
+
+def _loss_impl(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
+    dtype = dtypes.to_torch_dtype(loss_dtype) if not isinstance(loss_dtype, torch.dtype) else loss_dtype
+    return _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, dtype, grads=False)
+
+
+def _with_grads_impl(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
+    dtype = dtypes.to_torch_dtype(loss_dtype) if not isinstance(loss_dtype, torch.dtype) else loss_dtype
+    return _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, dtype, grads=True)
+
+
+linear_cross_entropy = loss_ex.register_operator(FORWARD, meta=_loss_meta, fn=_loss_impl)
+linear_cross_entropy_with_grads = loss_ex.register_operator(
+    FORWARD_WITH_GRADS, meta=_with_grads_meta, fn=_with_grads_impl
+)
+
+
+def _grad(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
+    loss, *grads = linear_cross_entropy_with_grads(
+        hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype
+    )
+    g = get_grad(loss)
+    for primal, grad in zip((hidden, weight, bias), grads):
+        put_grad(primal, grad * g)
+    return loss
+
+
+register_grad(linear_cross_entropy.id, _grad)

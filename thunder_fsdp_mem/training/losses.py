@@ -1,0 +1,60 @@
+"""Where a training step computes its loss, by name (``LOSSES``), for the benchmark's ``@loss=`` option.
+
+- ``eager``: the model returns logits; ``cross_entropy`` runs eagerly after it (as Thunder's
+  ``benchmark_litgpt.py`` does).
+- ``trace``: the model and its loss are one module (``loss.model.LossModel``), compiled together.
+- ``liger``, ``cce``: the compiled model stops at the final norm (``loss.model.HiddenStates``); Liger-Kernel's
+  ``LigerFusedLinearCrossEntropyLoss`` or Cut Cross-Entropy's ``linear_cross_entropy`` then runs eagerly on the
+  hidden states and the head's weight. These are the baselines to beat, installed with ``pip install .[bench]``;
+  ``available(loss)`` says whether one is importable. Cut Cross-Entropy takes no bias on the head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+LOSSES = ("eager", "trace", "liger", "cce")
+EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
+def available(loss: str) -> bool:
+    """Whether ``loss`` can run here: the built-in ones always; an external one where its package imports."""
+    return loss not in EXTERNAL or importlib.util.find_spec(EXTERNAL[loss]) is not None
+
+
+class ExternalLoss(torch.nn.Module):
+    """``body(idx)`` (the hidden states, compiled as the mode compiles) and an external fused linear cross-entropy
+    on them with ``gpt.lm_head``, soft-capped as the model's config says. ``gpt`` is registered (its parameters,
+    and under FSDP2 its head, belong to this module); ``body`` is called, not registered twice."""
+
+    def __init__(self, gpt: torch.nn.Module, kind: str, *, ignore_index: int = -100):
+        super().__init__()
+        if kind not in EXTERNAL:
+            raise ValueError(f"external loss must be one of {', '.join(EXTERNAL)}, got {kind!r}")
+        if kind == "cce" and gpt.lm_head.bias is not None:
+            raise ValueError("Cut Cross-Entropy takes no bias on the head")
+        self.gpt = gpt
+        self.kind = kind
+        self.ignore_index = ignore_index
+        self.softcap = gpt.config.final_logit_softcapping
+        object.__setattr__(self, "body", None)  # ``set_body``: not a submodule, its parameters are ``gpt``'s
+        if kind == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            self._liger = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, softcap=self.softcap)
+
+    def set_body(self, body) -> None:
+        """The compiled hidden states (``HiddenStates(gpt)`` compiled as the mode compiles)."""
+        object.__setattr__(self, "body", body)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(idx)
+        head = self.gpt.lm_head
+        if self.kind == "liger":
+            flat = hidden.reshape(-1, hidden.size(-1))
+            return self._liger(head.weight, flat, targets.reshape(-1), head.bias)
+        from cut_cross_entropy import linear_cross_entropy
+
+        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=self.ignore_index, softcap=self.softcap)
