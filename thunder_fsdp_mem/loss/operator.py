@@ -12,9 +12,9 @@ the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives).
 - ``linear_cross_entropy_with_grads(...)``: the loss and the gradients (what the forward runs under autograd).
 
 On CUDA a chunk's work runs through ``torch.compile`` (the matmul, then one reduction and one pointwise kernel
-that read the logits and write their gradient); on CPU through eager torch ops, in place where they can be. The gradient of the weight is accumulated over chunks
-in the weight's dtype (one rounding per chunk, as Liger's fused loss does); ``docs/accuracy.md`` gives the
-tolerances against eager PyTorch.
+that read the logits and write their gradient); on CPU through eager torch ops, in place where they can be. The
+gradient of the weight is accumulated over chunks in the weight's dtype (one rounding per chunk, as Liger's fused
+loss does); ``docs/accuracy.md`` gives the tolerances against eager PyTorch.
 """
 
 from __future__ import annotations
