@@ -8,7 +8,8 @@ A mode may carry its own options, so that one table holds several: ``thunder-fsd
 Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused``: ``runtime.executors``; else
 ``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``, ``ag``:
 ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1, ``fr``:
-``fusion_rematerialize``, 0 or 1 (1, the default: Thunder's rematerialized results; 0: bit for bit), and
+``fusion_rematerialize``, 0 or 1 (1, the default: Thunder's rematerialized results; 0: bit for bit), ``chunk``:
+``chunk_loss``, 0 or 1 (with ``@loss=trace``: 1, the default, chunks the loss), and
 ``budget``: ``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
 ``fsdp2.fit_budget``); on CUDA with ``--memory-cap-gb`` the cap is the transform's ``memory_cap`` too, as a user
 tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A

@@ -8,7 +8,7 @@ Each mode (``benchmarks/compare.py``'s names and ``@`` options) trains the same 
 initialisation (seed 0, bf16, AdamW at ``--lr``) for ``--steps`` steps in a fresh ``torchrun`` of its own; the modes
 run at once (``--jobs``; their memory and time are not what this measures). A step is the benchmarks' (forward,
 eager cross-entropy, backward, AdamW) with the loss computed in float32, whose value is recorded (a bf16 loss
-resolves 0.06 at 10). Every rank reads the same batches:
+resolves 0.06 at 10); with ``@loss=`` the loss the step computes, in the logits' dtype. Every rank reads the same batches:
 sequences of a first-order Markov chain over the first ``ACTIVE`` token ids, each token followed by one of
 ``SUCCESSORS`` tokens drawn for it once from a seeded generator, so the loss falls from about ln(vocabulary) towards
 ln(SUCCESSORS) as a model learns the tokens used and then their successors. The stream depends on the seed only, not
@@ -101,6 +101,7 @@ def worker(args) -> int:
         executors=variant.executors or "fused",
         memory=MemoryConfig(**variant.memory),
         activation_memory_budget=variant.amb,
+        loss=variant.loss,
     )
     for group in trainer.optimizer.param_groups:
         group["lr"] = args.lr
@@ -108,8 +109,13 @@ def worker(args) -> int:
     for sequence in stream(spec.config().vocab_size, args.block_size, args.steps):
         batch = torch.tensor(sequence, device=rank.device).unsqueeze(0)
         start = time.perf_counter()
-        logits = trainer.model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        if trainer.loss == "eager":
+            logits = trainer.model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1)
+            )
+        else:  # the loss the model computes, in the logits' dtype
+            loss = trainer.model(batch[:, :-1], batch[:, 1:])
         loss.backward()
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ VARIANT_KEYS = {
     "rs": "max_inflight_reduce_scatters",
     "fold": "fold_casts",
     "fr": "fusion_rematerialize",
+    "chunk": "chunk_loss",
     "budget": "memory_budget",
     "ex": "executors",
     "amb": "amb",
@@ -53,6 +54,7 @@ _PARSE = {
     "rs": int,
     "fold": lambda v: {"0": False, "1": True}[v],
     "fr": lambda v: {"0": False, "1": True}[v],
+    "chunk": lambda v: {"0": False, "1": True}[v],
     "ex": _executor_choice,
     "budget": parse_bytes,
     "amb": _fraction,
@@ -61,6 +63,7 @@ _PARSE = {
 _EXPECTED = {
     "fold": "0 or 1",
     "fr": "0 or 1",
+    "chunk": "0 or 1",
     "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
     "amb": "a number from 0 to 1",
     "budget": "a size (60GB, 55.9GiB)",
@@ -86,7 +89,7 @@ def split_variant(mode: str) -> Variant:
     """``thunder-fsdp+mem@w=0.1@ag=1@ex=fused`` -> ``Variant``: a mode with its own executors (``ex``), where its step
     computes the loss (``loss``: eager, trace, liger, cce), and for a +mem mode its own recompute weight (``w``),
     windows (``ag``: all-gathers, ``rs``: reduce-scatters), folded casts (``fold``: 0 or 1), fusion
-    rematerialization (``fr``: 0 or 1) or memory budget (``budget``), so that one table can hold several."""
+    rematerialization (``fr``: 0 or 1), the chunked loss (``chunk``: 0 or 1) or memory budget (``budget``), so that one table can hold several."""
     base, *parts = mode.split("@")
     options = {}
     for part in parts:
