@@ -8,7 +8,8 @@ Each mode (``benchmarks/compare.py``'s names and ``@`` options) trains the same 
 initialisation (seed 0, bf16, AdamW at ``--lr``) for ``--steps`` steps in a fresh ``torchrun`` of its own; the modes
 run at once (``--jobs``; their memory and time are not what this measures). A step is the benchmarks' (forward,
 eager cross-entropy, backward, AdamW) with the loss computed in float32, whose value is recorded (a bf16 loss
-resolves 0.06 at 10); with ``@loss=`` the loss the step computes, in the logits' dtype. Every rank reads the same batches:
+resolves 0.06 at 10); with ``@loss=`` the loss the step computes, in the logits' dtype. Every rank reads the same
+batches:
 sequences of a first-order Markov chain over the first ``ACTIVE`` token ids, each token followed by one of
 ``SUCCESSORS`` tokens drawn for it once from a seeded generator, so the loss falls from about ln(vocabulary) towards
 ln(SUCCESSORS) as a model learns the tokens used and then their successors. The stream depends on the seed only, not

@@ -89,7 +89,8 @@ def split_variant(mode: str) -> Variant:
     """``thunder-fsdp+mem@w=0.1@ag=1@ex=fused`` -> ``Variant``: a mode with its own executors (``ex``), where its step
     computes the loss (``loss``: eager, trace, liger, cce), and for a +mem mode its own recompute weight (``w``),
     windows (``ag``: all-gathers, ``rs``: reduce-scatters), folded casts (``fold``: 0 or 1), fusion
-    rematerialization (``fr``: 0 or 1), the chunked loss (``chunk``: 0 or 1) or memory budget (``budget``), so that one table can hold several."""
+    rematerialization (``fr``: 0 or 1), the chunked loss (``chunk``: 0 or 1) or memory budget (``budget``), so that
+    one table can hold several."""
     base, *parts = mode.split("@")
     options = {}
     for part in parts:
