@@ -228,8 +228,8 @@ def _estimate(trainer) -> dict:
     """``estimate_step`` of the ThunderModule, compiled but not yet run, with the eager cross-entropy and the state
     the optimizer will hold, where the mode has a ThunderModule: the peak, and how many gathered parameters (and
     their bytes) are alive at it."""
-    if trainer.jitted is None:
-        return {}
+    if trainer.jitted is None or trainer.loss not in ("eager", "trace"):
+        return {}  # an external loss runs outside every trace: an estimate would leave it out
     from thunder_fsdp_mem import estimate_step
     from thunder_fsdp_mem.analysis.categories import Category
 

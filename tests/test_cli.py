@@ -54,6 +54,8 @@ PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".
         (["report", "--block-size", "10000000"], "--block-size must be from 1 to 1048576 tokens"),
         (["report", "--no-transform", "--memory-budget", "60GB"], "--no-transform contradicts --memory-budget"),
         (["report", "--no-transform", "--no-fusion-rematerialize"], "--no-transform contradicts --[no-]fusion"),
+        (["report", "--loss", "trace"], "--loss trace is predicted under --mode jit and thunder-fsdp"),
+        (["report", "--loss", "logits"], "invalid choice"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -124,6 +126,39 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
     state = [t for per in optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
     measured = memtracker_peak(whole_step, idx, targets, tracked=(jitted, *state), backward=False)
     assert abs(report["peak_bytes"] - measured) <= 0.03 * measured, (report["peak_bytes"], measured)
+
+
+def test_a_loss_in_the_trace_is_chunked_and_predicted_as_a_cpu_run_measures_it(tmp_path, capsys):
+    # pythia-14m's 50304-token vocabulary at 512 tokens: the eager loss holds the peak; in the trace the transform
+    # chunks it. The prediction (meta device) against the same step run on CPU, measured by MemTracker.
+    from thunder_fsdp_mem import FSDPMemoryTransform, LossModel
+
+    argv = ["report", *SMALL[:4], "--block-size", "512", *SMALL[6:], "--transform"]
+    eager, trace = tmp_path / "eager.json", tmp_path / "trace.json"
+    assert main([*argv, "--json", str(eager)]) == 0
+    assert main([*argv, "--loss", "trace", "--json", str(trace)]) == 0
+    eager, trace = json.loads(eager.read_text()), json.loads(trace.read_text())
+    assert "--loss trace" in capsys.readouterr().out.split("Peak per rank:")[0]  # the eager report's advice
+    predicted = trace["peak_bytes"]  # with --transform: the transformed plan's
+    assert predicted < eager["peak_bytes"] * 0.8, (predicted, eager["peak_bytes"])
+
+    from litgpt import GPT
+
+    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=512)
+    torch.manual_seed(0)
+    jitted = thunder.jit(LossModel(GPT(spec.config()).to(torch.bfloat16)), transforms=[FSDPMemoryTransform()])
+    optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
+    idx, targets = models.batch(spec)
+
+    def whole_step(idx, targets):
+        jitted(idx, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    whole_step(idx, targets)
+    state = [t for per in optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
+    measured = memtracker_peak(whole_step, idx, targets, tracked=(jitted, *state), backward=False)
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
 
 
 def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):

@@ -30,7 +30,7 @@ from enum import Enum, auto
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 
-from thunder_fsdp_mem.analysis import chunked_loss, layout
+from thunder_fsdp_mem.analysis import chunked_loss, device, layout
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
@@ -328,7 +328,7 @@ def _workspace(bsym, sid: str, args: Sequence[TensorLike], strides_of: StridesOf
             bsym.args[chunked_loss.CHUNKS_ARG],
             weight_bytes=weight.dtype.bytes,
             softcap=bsym.args[chunked_loss.SOFTCAP_ARG] is not None,
-            device_type=hidden.device.type,
+            device_type=device.device_type(hidden) or "cpu",  # a meta trace: the device ``as_on`` names
         )
     if sid in ("matmul", "linear") and len(args) >= 2:
         return _matmul_workspace(sid, args[0], args[1], strides_of)

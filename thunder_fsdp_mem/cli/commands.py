@@ -157,6 +157,7 @@ def _step_options(args) -> dict[str, object]:
         device_type=args.device,
         dtype=models.DTYPES[args.dtype],
         executors=args.executors,
+        **({"loss": args.loss} if args.loss != "eager" else {}),
     )
 
 
@@ -202,6 +203,7 @@ def _measure(args, spec, memory):
             micro_batch_size=args.micro_batch_size,
             memory=memory,
             snapshot=bool(args.snapshot),
+            loss=args.loss,
         )
         return gather(measured)
     finally:

@@ -97,6 +97,14 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         "benchmarks/compare.py (default default+cat)",
     )
     parser.add_argument(
+        "--loss",
+        choices=("eager", "trace"),
+        default="eager",
+        help="where the step computes its cross-entropy: eager, after the compiled model (as Thunder's benchmarks "
+        "do), or trace, compiled with it (thunder_fsdp_mem.LossModel), where the transform chunks it; trace: "
+        "--mode jit or thunder-fsdp (default eager)",
+    )
+    parser.add_argument(
         "--fusion-rematerialize",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -23,6 +23,7 @@ from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.loss.model import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.meta import as_on, fake_ranks
 from thunder_fsdp_mem.training import models, runtime
@@ -30,6 +31,7 @@ from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 MODES = ("fsdp2", "thunder-fsdp", "jit")
 SHARDS = runtime.SHARDS
+LOSSES = ("eager", "trace")
 
 
 def trace_step(
@@ -43,18 +45,25 @@ def trace_step(
     micro_batch_size: int = 1,
     executors: str = "default+cat",
     transform: FSDPMemoryTransform | None = None,
+    loss: str = "eager",
 ) -> StepMemory:
     """The estimated memory of one step (``StepMemory``) of ``spec`` on ``world_size`` ranks of ``device_type``,
     traced on the meta device. ``mode``: ``jit`` (one process), ``thunder-fsdp`` (Thunder's fsdp) or ``fsdp2``
     (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
     ``executors``: ``runtime.executors``' choice. ``transform``: the ``FSDPMemoryTransform`` to compile with, None
-    for none (its ``rewrites`` then say what it did)."""
+    for none (its ``rewrites`` then say what it did). ``loss``: ``eager``, cross-entropy after the compiled model,
+    or ``trace``, the model and its loss compiled together (``LossModel``; which the transform chunks), for
+    ``jit`` and ``thunder-fsdp``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "jit" and (shard is not None or world_size != 1):
         raise ValueError("mode jit runs one process: no shard and a world size of 1")
     if mode != "jit" and shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
+    if loss not in LOSSES or (loss == "trace" and mode == "fsdp2"):
+        raise ValueError(
+            f"loss must be one of {', '.join(LOSSES)} (trace: with mode jit or thunder-fsdp); got {loss!r}"
+        )
     if mode == "fsdp2":
         return fsdp2.compose_step(
             spec,
@@ -74,15 +83,20 @@ def trace_step(
         with torch.device("meta"):
             gpt = GPT(spec.config())
         gpt = gpt.to(dtype)
-        jitted = thunder.jit(gpt, executors=chosen, transforms=transforms)
+        model = LossModel(gpt) if loss == "trace" else gpt
+        jitted = thunder.jit(model, executors=chosen, transforms=transforms)
         if mode == "thunder-fsdp":
             jitted = runtime.thunder_fsdp(jitted, shard=shard, device=torch.device("meta"))
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
-        logits = jitted(idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        loss.backward()
+        if loss == "trace":
+            value = jitted(idx, targets)
+        else:
+            logits = jitted(idx)
+            value = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        value.backward()
         optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
-        return estimate_step(jitted, loss="cross_entropy", optimizer=optimizer, device_type=device_type)
+        eager = "cross_entropy" if loss == "eager" else None
+        return estimate_step(jitted, loss=eager, optimizer=optimizer, device_type=device_type)
 
 
 def plan_step(spec: models.ModelSpec, config: MemoryConfig, **options) -> tuple[StepMemory, FSDPMemoryTransform]:

@@ -94,10 +94,12 @@ def measure_step(
     micro_batch_size: int = 1,
     memory: MemoryConfig | None = None,
     snapshot: bool = False,
+    loss: str = "eager",
 ) -> Measurement:
     """This rank's measurement of one step of ``spec`` in the report's ``mode`` (``fsdp2``, ``thunder-fsdp``,
     ``jit``), with ``FSDPMemoryTransform`` configured by ``memory`` (None: without it). ``snapshot``: on CUDA, rank
-    0 records the allocator's history of the step (``Measurement.snapshot``)."""
+    0 records the allocator's history of the step (``Measurement.snapshot``). ``loss``: where the step computes its
+    loss (``eager`` or ``trace``: ``modes.build``'s)."""
     if (mode, memory is not None) not in TRAINERS:
         raise ValueError(f"mode must be one of fsdp2, thunder-fsdp, jit; got {mode!r}")
     recorder = _Recorder(rank.device)
@@ -105,7 +107,15 @@ def measure_step(
     name = TRAINERS[mode, memory is not None]
     configured = {"memory": memory} if memory is not None else {}
     trainer = modes.build(
-        name, spec, rank, shard=shard or "zero2", executors=executors, dtype=dtype, probe=probe, **configured
+        name,
+        spec,
+        rank,
+        shard=shard or "zero2",
+        executors=executors,
+        dtype=dtype,
+        probe=probe,
+        loss=loss,
+        **configured,
     )
     idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
     for _ in range(WARMUP):

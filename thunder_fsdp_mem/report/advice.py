@@ -27,7 +27,8 @@ ADVICE_SHARE = 0.1  # what a category must hold of the peak for advice about it
 _PHASE_ADVICE = {
     Stage.LOSS: (
         "The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' gradient "
-        "hold {held}. A chunked cross-entropy (litgpt's chunked_cross_entropy) holds a chunk of each at a time"
+        "hold {held}. Compute the loss in the compiled step (thunder_fsdp_mem.LossModel; --loss trace): the "
+        "transform chunks it with the head's matmul, so that one chunk of logits is alive at a time"
     ),
     Stage.OPTIMIZER: (
         "The peak is in the optimizer's step ({symbol}): its temporaries hold {held}. AdamW(..., fused=True) "
