@@ -34,3 +34,17 @@ GEMMA = ModelSpec(  # Gemma-style: GemmaMLP (GELU-tanh gate), scaled embeddings,
     ),
 )
 BY_NAME = {"neox": NEOX, "llama": LLAMA, "gemma": GEMMA}
+SOFTCAP_TIED = ModelSpec(  # gemma-2-style: soft-capped logits, the embedding's weight tied to the head's
+    name="gemma-2-2b",
+    n_layers=1,
+    block_size=128,
+    overrides=(
+        ("n_embd", 64),
+        ("n_head", 2),
+        ("head_size", 32),
+        ("intermediate_size", 128),
+        ("n_query_groups", 1),
+        ("padded_vocab_size", 512),
+        ("vocab_size", 500),
+    ),
+)

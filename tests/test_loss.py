@@ -16,8 +16,8 @@ import thunder
 import torch
 from thunder.core.transform_common import Transform
 
-from configs import BY_NAME
-from support import memtracker_peak
+from configs import BY_NAME, SOFTCAP_TIED
+from support import memtracker_peak, torchrun
 from thunder_fsdp_mem import FSDPMemoryTransform, LossModel, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis import chunked_loss
 from thunder_fsdp_mem.analysis.step import estimate_traces
@@ -30,14 +30,7 @@ from thunder_fsdp_mem.training import models
 
 TINY = (("n_embd", 64), ("n_head", 2), ("head_size", 32), ("intermediate_size", 128))
 SPECS = {
-    # gemma-2: soft-capped logits, tied embedding and head
-    "softcap-tied": models.ModelSpec(
-        name="gemma-2-2b",
-        n_layers=1,
-        block_size=128,
-        overrides=TINY + (("n_query_groups", 1), ("padded_vocab_size", 512), ("vocab_size", 500)),
-    ),
-    # phi-2: a bias on the head, partial rotary, parallel residual
+    "softcap-tied": SOFTCAP_TIED,  # gemma-2: soft-capped logits, tied embedding and head
     "biased-head": models.ModelSpec(
         name="phi-2", n_layers=1, block_size=128, overrides=TINY + (("padded_vocab_size", 512), ("vocab_size", 512))
     ),
@@ -225,3 +218,19 @@ def test_loss_model_is_the_model_and_its_loss():
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     assert torch.equal(model(idx, targets), expected)
     assert MemoryConfig().chunk_loss and not MemoryConfig(chunk_loss=False).chunk_loss
+
+
+@pytest.mark.slow
+def test_under_thunders_fsdp_and_fsdp2_the_chunked_loss_matches_thunders_on_every_shard():
+    # The head's weight gathered by Thunder's fsdp (ZeRO2, ZeRO3) and by FSDP2 (the root unit's), tied to the
+    # embedding, soft-capped logits, ignored tokens; float32 against Thunder's own loss in the same sharding.
+    results = torchrun("loss_worker.py")
+    assert {(r["mode"], r["shard"], r["rank"]) for r in results} == {
+        (m, s, k)
+        for m, s in (("thunder-fsdp", "zero2"), ("thunder-fsdp", "zero3"), ("fsdp2-thunder", "zero2"))
+        for k in (0, 1)
+    }
+    for r in results:
+        assert r["chunked"] and r["n_grads"] == r["n_grads_mem"] > 0, r
+        assert abs(r["loss"] - r["loss_mem"]) <= 1e-6 * abs(r["loss"]), r
+        assert r["largest_error"] <= TOLERANCE[torch.float32], r
