@@ -234,3 +234,21 @@ def test_under_thunders_fsdp_and_fsdp2_the_chunked_loss_matches_thunders_on_ever
         assert r["chunked"] and r["n_grads"] == r["n_grads_mem"] > 0, r
         assert abs(r["loss"] - r["loss_mem"]) <= 1e-6 * abs(r["loss"]), r
         assert r["largest_error"] <= TOLERANCE[torch.float32], r
+
+
+def test_a_loss_the_rewrite_does_not_understand_is_left_as_it_was(monkeypatch):
+    def broken(trace):
+        raise ValueError("a form never seen")
+
+    monkeypatch.setattr("thunder_fsdp_mem.transform.rewrite_losses", broken)
+    spec = SPECS["llama"]
+    idx, targets = _targets(spec)
+    eager = _step(models.build(spec, dtype=torch.float32), idx, targets)
+    with pytest.warns(UserWarning, match="pass 'chunked loss' refused.*a form never seen"):
+        plain = _step(
+            thunder.jit(models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform()]), idx, targets
+        )
+    _assert_close(eager, plain, torch.float32)
+    with pytest.raises(RuntimeError, match="a form never seen"):
+        strict = thunder.jit(models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform(strict=True)])
+        strict(idx, targets)

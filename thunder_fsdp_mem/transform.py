@@ -51,6 +51,10 @@ class FSDPMemoryTransform(Transform):
     rematerialized ones, which differ from the run without the transform by rounding. Every other pass, and every
     pass with ``MemoryConfig(fusion_rematerialize=False)``, keeps the untransformed run's results bit for bit.
 
+    Where the program ends in a cross-entropy on a linear layer's output (``LossModel``), it computes them together
+    as a chunked linear cross-entropy (``MemoryConfig.chunk_loss``, on by default): one chunk of logits alive at a
+    time; its results differ from Thunder's loss by rounding (``docs/accuracy.md``).
+
     It runs each 16-bit elementwise op that Thunder brackets between float32 casts as one op where ATen gives the
     same bits (``MemoryConfig.fold_casts``); it chooses what the forward saves for backward
     (``MemoryConfig.rematerialize``, ``recompute_weight``); it orders each trace for a lower peak (``reorder``);
@@ -88,10 +92,16 @@ class FSDPMemoryTransform(Transform):
         if not self.config.chunk_loss:
             return prologue_trace, computation_trace, epilogue_trace
         started = time.perf_counter()
-        computation_trace, found = rewrite_losses(computation_trace)
+        try:
+            computation_trace, found = rewrite_losses(computation_trace)
+        except Exception as e:  # a trace the rewrite does not understand stays as it was
+            why = f"{type(e).__name__}: {e}"
+            self.rewrites.append(Rewrite(CHUNKED_LOSS, Outcome.REFUSED, self._pairs, note=why))
+            self._refused(CHUNKED_LOSS, why)
+            return prologue_trace, computation_trace, epilogue_trace
         for f in found:
             rows, vocab = f.logits_shape
-            note = f"{f.dtype} logits ({rows}, {vocab}) in {f.chunks} chunks" + (
+            note = f"{f.dtype} logits ({rows}, {vocab}), {f.chunks} chunks to start with" + (
                 f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
             )
             self.rewrites.append(

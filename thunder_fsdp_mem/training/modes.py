@@ -1,8 +1,9 @@
 """The training set-ups we compare, by name: how each wraps and compiles a litgpt model.
 
 ``build(mode, spec, rank, ...) -> Trainer`` gives a model ready for ``Trainer.step(idx, targets)`` (forward,
-cross-entropy loss computed eagerly on the logits as Thunder's ``benchmark_litgpt.py`` does, backward, AdamW
-step, ``zero_grad``). The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
+cross-entropy loss, backward, AdamW step, ``zero_grad``). The loss is computed eagerly on the logits as Thunder's
+``benchmark_litgpt.py`` does, or, as ``loss`` says (``losses.LOSSES``), compiled with the model or by an external
+fused loss after it. The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
 ``ln_f``, then the root (``shard_fsdp2``), computed in the parameters' dtype; ``reshard_after_forward`` is on for zero3.
 ``inductor+ckpt`` is torch.compile with every Block under activation checkpointing (``checkpoint_wrapper``,
 non-reentrant), the least memory torch offers; torch.compile's modes take ``activation_memory_budget``, its
