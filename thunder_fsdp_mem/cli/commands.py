@@ -211,13 +211,17 @@ def _measure(args, spec, memory):
             dist.destroy_process_group()
 
 
+DEFAULT_WIDTH = 100  # columns of the text report when piped without COLUMNS
+
+
 def _print_and_write(args, report, steps, measured) -> None:
-    """The report as text on stdout (the terminal's width and styles where it prints to one); its JSON, plot and
+    """The report as text on stdout, as wide as ``COLUMNS`` or the terminal says (``DEFAULT_WIDTH`` when piped
+    without ``COLUMNS``), with the terminal's styles where it prints to one; its JSON, plot and
     snapshots where asked. A file refused at the end is a usage error, as it is when checked before tracing."""
     from thunder_fsdp_mem.report import render_json, render_plot, render_text
 
     color = sys.stdout.isatty()
-    print(render_text(report, color=color, width=shutil.get_terminal_size((180, 24)).columns if color else 180))
+    print(render_text(report, color=color, width=shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns))
     try:
         if args.json:
             with open(args.json, "w") as f:

@@ -235,11 +235,15 @@ def propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     warning = None if found.reached else _unmet(config, e, short_of_the_cap)
     if found.forward is pair.forward:
         return Proposal(pair.forward, pair.backward, warning=warning)
-    price = "no price (cheap ops only)" if found.price is None else f"a price of {found.price:.3g} bytes per second"
+    price = (
+        "cheap ops only"
+        if found.price is None
+        else f"recomputing what saves at least {format_bytes(int(found.price))} per second of recomputation"
+    )
     note = (
-        f"budget {_wanted(config)}: {'met' if found.reached else 'not met'} at {price}; saves "
-        f"{plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} symbols, an "
-        f"estimated {1e3 * plan.seconds:.1f} ms"
+        f"budget {_wanted(config)}: {'met' if found.reached else 'not met'}, {price}; saves "
+        f"{format_bytes(plan.after_bytes)} for backward instead of {format_bytes(plan.before_bytes)}; recomputes "
+        f"{len(plan.recompute)} symbols, an estimated {1e3 * plan.seconds:.1f} ms"
     )
     return Proposal(
         found.forward,

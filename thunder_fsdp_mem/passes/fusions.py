@@ -47,6 +47,7 @@ from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import recompute
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 
 
@@ -162,7 +163,7 @@ def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
         forward,
         backward,
         forward_checks=Checks(ignore_saved=True),
-        note=f"the backward's fusions recompute what they read from the forward's: saves {less} bytes less",
+        note=f"the backward's fusions recompute what they read from the forward's: saves {format_bytes(less)} less",
     )
 
 

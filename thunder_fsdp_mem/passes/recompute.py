@@ -18,6 +18,7 @@ from __future__ import annotations
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import budget
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, Proposal
 from thunder_fsdp_mem.passes.mincut import (
     PRICED_OPS,
@@ -67,8 +68,8 @@ def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
         return Proposal(forward, backward)
     new_forward, new_backward = apply_plan(forward, backward, plan)
     note = (
-        f"saves {plan.after_bytes} bytes instead of {plan.before_bytes}; recomputes {len(plan.recompute)} "
-        f"symbols ({plan.traffic_bytes} bytes read and written)"
+        f"saves {format_bytes(plan.after_bytes)} for backward instead of {format_bytes(plan.before_bytes)}; "
+        f"recomputes {len(plan.recompute)} symbols ({format_bytes(plan.traffic_bytes)} read and written)"
     )
     return Proposal(
         new_forward,

@@ -10,23 +10,30 @@ from thunder_fsdp_mem.report.model import TopAllocation
 from thunder_fsdp_mem.units import format_bytes
 
 # The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
-# or not at all, so no figure, shape or source line is ever cut; only the name folds onto more lines.
+# or not at all, so no figure, shape or source line is ever cut; a name too long is shortened from the left.
 _TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
 _LEFT_OUT_FIRST = ("trace name", "source", "symbol", "category", "dtype", "shape")
-_NAME_WIDTH = 24  # the least width of the name column, which folds
-_GAP = 3  # between two columns: a space of padding on each side of a space of border
+_NAME_WIDTH = 32  # the least width of the name column: other columns are left out before it is narrower
+GAP = 3  # between two columns: a space of padding on each side of a space of border
 
 
 def table(first: str, *others: str):
-    """A table whose first column names the rows and whose other columns are right-aligned figures."""
+    """A table whose first column names the rows (folding onto more lines where the width is short) and whose
+    other columns are right-aligned figures, never wrapped or cut."""
     from rich import box
     from rich.table import Table
 
     out = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    out.add_column(first, no_wrap=True)
+    out.add_column(first, overflow="fold")  # a word longer than the column folds
     for header in others:
         out.add_column(header, justify="right", no_wrap=True)
     return out
+
+
+def left_shortened(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: its end kept, its start replaced by one ``…``
+    (``…h.11.mlp.fc``), so that the part of a module path that tells layers apart stays."""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1 :]
 
 
 def top_table(top: tuple[TopAllocation, ...], width: int):
@@ -50,22 +57,22 @@ def top_table(top: tuple[TopAllocation, ...], width: int):
     shown = list(_TOP_HEADERS)
 
     def total() -> int:
-        return sum(need[h] if h != "name" else _NAME_WIDTH for h in shown) + _GAP * (len(shown) - 1)
+        return sum(need[h] if h != "name" else _NAME_WIDTH for h in shown) + GAP * (len(shown) - 1)
 
     for header in _LEFT_OUT_FIRST:
         if total() <= width:
             break
         shown.remove(header)
+    name_width = max(_NAME_WIDTH, min(need["name"], width - (total() - _NAME_WIDTH)))
     out = table(*shown)
     for column in out.columns:
         header = column.header
-        if header == "name":
-            column.no_wrap, column.overflow, column.min_width = False, "fold", _NAME_WIDTH
-        else:
-            column.no_wrap, column.min_width = True, need[header]
+        column.no_wrap, column.min_width = True, name_width if header == "name" else need[header]
         column.justify = "right" if header in ("count", "size each", "total") else "left"
     for row in rows:
-        out.add_row(*(row[_TOP_HEADERS.index(h)] for h in shown))
+        cells = [row[_TOP_HEADERS.index(h)] for h in shown]
+        cells[0] = left_shortened(cells[0], name_width)
+        out.add_row(*cells)
     return out
 
 

@@ -13,7 +13,7 @@ from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.report.model import Report, summary_rows
-from thunder_fsdp_mem.report.tables import short_source, table, top_table
+from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_table
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -118,19 +118,46 @@ def _cap_lines(report: Report) -> list[str]:
 
 
 def _print_rewrites(console, rewrites: tuple[Rewrite, ...]) -> None:
+    """One row per pass and trace pair, each figure before and after on two lines (so that the table fits 80
+    columns); the passes' notes below it."""
     console.print(
-        "What the transform did, pass by pass (peaks estimated on the traces it saw: the loss and the "
-        "optimizer state come on top):"
+        "What the transform did, pass by pass (the peak estimated on the traces it saw, the loss and the optimizer "
+        "state on top; what the forward saves for backward):"
     )
-    out = table("pass", "trace pair", "outcome", "estimated peak", "saved for backward", "seconds")
-    out.add_column("note", overflow="fold")
-    for r in rewrites:
-        peak = f"{format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}" if r.peak_before is not None else "-"
-        saved = (
-            f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}" if r.saved_before is not None else "-"
+    rows = [
+        (
+            r.pass_name,
+            str(r.pair),
+            r.outcome.value,
+            _before_after(r.peak_before, r.peak_after),
+            _before_after(r.saved_before, r.saved_after),
+            f"{r.seconds:.2f}",
         )
-        out.add_row(r.pass_name, str(r.pair), r.outcome.value, peak, saved, f"{r.seconds:.2f}", r.note or "")
+        for r in rewrites
+    ]
+    headers = ("pass", "pair", "outcome", "peak", "saved", "seconds")
+    out = table(*headers)
+    # The figures whole; the pass's name wraps between its words; the outcome takes what is left.
+    need = [
+        max(len(h), *(max(len(line) for line in row[i].split("\n")) for row in rows)) for i, h in enumerate(headers)
+    ]
+    words = max(len(w) for row in rows for w in row[0].split())
+    fixed = sum(need[1:2] + need[3:]) + _GAP * (len(headers) - 1)
+    outcome_words = max(len(w) for row in rows for w in row[2].split())
+    name = max(words, min(need[0], (console.width - fixed) // 2))
+    for column, width in zip(out.columns, (name, need[1], max(outcome_words, console.width - fixed - name), *need[3:])):
+        column.width = width
+    out.columns[2].justify, out.columns[2].no_wrap = "left", False
+    for row in rows:
+        out.add_row(*row)
     console.print(out)
+    for r in rewrites:
+        if r.note:
+            console.print(f"  {r.pass_name} (pair {r.pair}): {r.note}")
+
+
+def _before_after(before: int | None, after: int | None) -> str:
+    return "-" if before is None else f"{format_bytes(before)}\n-> {format_bytes(after)}"
 
 
 RECOMPUTED_ROWS = 8
