@@ -382,3 +382,13 @@ def test_a_budget_with_a_cap_is_planned_and_judged_under_the_cap(tmp_path, capsy
     # and its budget counts the step the report shows, AdamW's step as torch runs it on CUDA (foreach) included,
     # from traces made on the meta device: the peak is there (single-tensor AdamW would peak 11.9 MiB higher)
     assert shown["peak_phase"] == "optimizer step" and abs(remat["peak_after"] - shown["peak_bytes"]) < 1024
+
+
+def test_a_warning_reaches_the_user_as_one_plain_line(capsys):
+    # A budget no plan meets (2 MiB for a step of 130 MiB): the transform's warning, as the CLI prints it.
+    assert main([*PYTHIA_64, "--memory-budget", "2MiB"]) == 0
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if "FSDPMemoryTransform" in line]
+    assert all(line.startswith("thunder-fsdp-mem: ") for line in err.splitlines())
+    assert line.startswith("thunder-fsdp-mem: warning: FSDPMemoryTransform: pass 'rematerialization' could not meet")
+    assert "UserWarning" not in err and ".py:" not in err and "Traceback" not in err

@@ -13,7 +13,7 @@ import shutil
 import sys
 import warnings
 
-from thunder_fsdp_mem.cli.console import failed_tracing, first_line, progress, quiet_imports, say
+from thunder_fsdp_mem.cli.console import failed_tracing, first_line, plain_warnings, progress, quiet_imports, say
 from thunder_fsdp_mem.cli.parser import FIT_DEPRECATED, UsageError, build_parser
 from thunder_fsdp_mem.cli.validate import validate
 
@@ -23,11 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         validate(args)
-        if args.fit is None:
-            return run_report(args)
-        if args.command == "report":
-            say(FIT_DEPRECATED)
-        return run_fit(args)
+        with plain_warnings():
+            if args.fit is None:
+                return run_report(args)
+            if args.command == "report":
+                say(FIT_DEPRECATED)
+            return run_fit(args)
     except UsageError as e:
         print(f"thunder-fsdp-mem: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """What the command line says on stderr besides the report: ``say(line)`` (one line, the program's name first),
 ``progress(total, what)`` (a bar on a terminal, plain lines elsewhere), ``failed_tracing(e, args, spec)`` (a
-failure while tracing as one line that names its likely cause and what to try), and ``quiet_imports()`` (the
-warnings Thunder and torch print on import, which say nothing about the report, silenced)."""
+failure while tracing as one line that names its likely cause and what to try), ``plain_warnings()`` (every
+warning as one plain line) and ``quiet_imports()`` (the warnings Thunder and torch print on import, which say
+nothing about the report, silenced)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ def progress(total: int, what: str, *, shown: bool = True):
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(what, total=total)
         yield lambda: bar.advance(task)
+
+
+@contextmanager
+def plain_warnings():
+    """Within it, every warning the report's work raises (the transform's, an unmet budget's) is one line on
+    stderr, ``thunder-fsdp-mem: warning: ...``: no file path, no source line, no category."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        say(f"warning: {str(message).splitlines()[0] if str(message) else category.__name__}")
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def quiet_imports() -> None:
