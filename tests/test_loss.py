@@ -110,6 +110,8 @@ def test_the_default_transform_chunks_the_loss_within_tolerance():
     _assert_close(eager, chunked, torch.float32)
     assert [r.pass_name for r in transform.rewrites][:1] == ["chunked loss"]
     assert "f32 logits (256, 512)" in transform.summary() and "soft-capped at 30" in transform.summary()
+    assert transform.summary().splitlines()[1].startswith("pair 0: chunked loss: f32 logits (256, 512)")
+    assert "folded casts" not in transform.summary() and "folded casts" in transform.summary(details=True)
 
 
 def test_every_token_ignored_gives_torchs_nan_and_finite_gradients():

@@ -216,3 +216,27 @@ def test_rematerialization_applies_to_every_block_shape(family, bias, parallel_r
     assert torch.equal(loss, loss_t)
     assert grads.keys() == grads_t.keys() and all(torch.equal(grads[n], grads_t[n]) for n in grads)
     assert saved_t < saved, (saved_t, saved)
+
+
+def test_the_summary_is_short_by_default_and_whole_with_details():
+    from thunder_fsdp_mem.passes.driver import Outcome, Rewrite
+
+    transform = FSDPMemoryTransform()
+    transform._pairs = 4
+    mib = 2**20
+    transform.rewrites = [
+        Rewrite("order", Outcome.UNCHANGED, 0),
+        Rewrite("rematerialization", Outcome.APPLIED, 1, 10 * mib, 8 * mib, 6 * mib, 2 * mib, added_seconds=1e-3),
+        Rewrite("order", Outcome.RAISES_PEAK, 1, 8 * mib, 9 * mib, 2 * mib, 2 * mib),
+        Rewrite("order", Outcome.UNCHANGED, 2),
+        Rewrite("order", Outcome.UNCHANGED, 3),
+    ]
+    assert transform.summary().splitlines() == [
+        "FSDPMemoryTransform: 4 forward/backward pair(s)",
+        "pair 1: rematerialization: peak 10.00 MiB -> 8.00 MiB; saves 2.00 MiB for backward, not 6.00 MiB; "
+        "adds an estimated 1.00 ms",
+        "pair 1: order: kept out: it would raise the estimated peak",
+        "nothing changed in 3 pair(s): 0, 2-3",
+    ]
+    details = transform.summary(details=True).splitlines()
+    assert len(details) == 1 + 4 + 5 and details[1] == "pair 0:" and "nothing to change" in details[2]

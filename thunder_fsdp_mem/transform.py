@@ -146,28 +146,24 @@ class FSDPMemoryTransform(Transform):
             return pair.backward
         return computation_trace
 
-    def summary(self) -> str:
-        """What each pass did to each forward/backward pair, one line per pass, with the estimated peak and the
-        bytes saved for backward before and after each pass that was applied."""
+    def summary(self, details: bool = False) -> str:
+        """What the transform did: by default one line per pass that changed or refused something (its figures
+        in MiB/GiB: the step's estimated peak, what the forward saves, the estimated time recomputation adds), and
+        one line for the pairs where nothing changed; ``details``: every pass on every pair, with its note."""
         if not self.rewrites:
             return "FSDPMemoryTransform: no forward/backward pair seen yet"
         lines = [f"FSDPMemoryTransform: {self._pairs} forward/backward pair(s)"]
-        width = max(len(r.pass_name) for r in self.rewrites)
-        pair = None
-        for r in self.rewrites:
-            if r.pair != pair:
-                pair = r.pair
-                lines.append(f"pair {pair}:")
-            figures = ""
-            if r.peak_before is not None:
-                figures = (
-                    f"peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, saved "
-                    f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}"
-                )
-            detail = "; ".join(x for x in (figures, r.note) if x)
-            lines.append(
-                f"  {r.pass_name:<{width}}  {r.outcome.value}{': ' + detail if detail else ''} ({r.seconds:.3f} s)"
-            )
+        if details:
+            return "\n".join(lines + _detailed(self.rewrites))
+        pairs = dict.fromkeys(r.pair for r in self.rewrites)
+        quiet = []
+        for pair in pairs:
+            changed = [r for r in self.rewrites if r.pair == pair and r.outcome is not Outcome.UNCHANGED]
+            if not changed:
+                quiet.append(pair)
+            lines.extend(f"pair {pair}: {r.pass_name}: {_short(r)}" for r in changed)
+        if quiet:
+            lines.append(f"nothing changed in {len(quiet)} pair(s): {_ranges(quiet)}")
         return "\n".join(lines)
 
     def _regathers(self) -> bool:
@@ -189,3 +185,52 @@ class FSDPMemoryTransform(Transform):
 
     def __repr__(self) -> str:
         return f"FSDPMemoryTransform({self.config})"
+
+
+def _short(r: Rewrite) -> str:
+    """One pass's outcome in a few words and figures."""
+    if r.outcome is not Outcome.APPLIED:
+        return f"{r.outcome.value}" + (f": {r.note.split(';')[0]}" if r.note else "")
+    parts = []
+    if r.peak_before is not None:
+        parts.append(f"peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}")
+        if r.saved_after != r.saved_before:
+            parts.append(f"saves {format_bytes(r.saved_after)} for backward, not {format_bytes(r.saved_before)}")
+    if r.added_seconds:
+        parts.append(f"adds an estimated {1e3 * r.added_seconds:.2f} ms")
+    if not parts and r.note:
+        parts.append(r.note)
+    return "; ".join(parts) or "applied"
+
+
+def _detailed(rewrites: list[Rewrite]) -> list[str]:
+    lines = []
+    width = max(len(r.pass_name) for r in rewrites)
+    pair = None
+    for r in rewrites:
+        if r.pair != pair:
+            pair = r.pair
+            lines.append(f"pair {pair}:")
+        figures = ""
+        if r.peak_before is not None:
+            figures = (
+                f"peak {format_bytes(r.peak_before)} -> {format_bytes(r.peak_after)}, saved "
+                f"{format_bytes(r.saved_before)} -> {format_bytes(r.saved_after)}"
+            )
+        detail = "; ".join(x for x in (figures, r.note) if x)
+        lines.append(
+            f"  {r.pass_name:<{width}}  {r.outcome.value}{': ' + detail if detail else ''} ({r.seconds:.3f} s)"
+        )
+    return lines
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
