@@ -24,7 +24,7 @@ from thunder_fsdp_mem.analysis.step import parameter_order
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.rewrite import rewrite_losses
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
-from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator
+from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator, unmet_warning
 from thunder_fsdp_mem.passes.pipeline import CHUNKED_LOSS, DECLARED, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
@@ -129,15 +129,22 @@ class FSDPMemoryTransform(Transform):
             placeholder, forward = pending
             pair = Pair(forward, computation_trace)
             cd = get_compile_data()
+            judge = estimator(c, pair, parameter_order(getattr(cd, "fn", None)))
+            said: list[tuple[str, str]] = []  # said once every pass has run, of the pair returned
             pair, records = run_passes(
                 pair,
                 pipeline(c, regather=self._regathers()),
                 on_refused=self._refused,
-                on_warning=self._warned,
+                on_warning=lambda what, message: said.append((what, message)),
                 index=self._pairs,
-                estimator=estimator(c, pair, parameter_order(getattr(cd, "fn", None))),
+                estimator=judge,
                 shortfall=cap_shortfall(c),
             )
+            if said and c.budgeted:  # a budget missed: said of the pair returned, where that misses it too
+                final = unmet_warning(c, judge(pair.forward, pair.backward))
+                said = [(what, final) for what, _ in said] if final is not None else []
+            for what, message in said:
+                self._warned(what, message)
             self._pairs += 1
             self.rewrites.extend(records)
             placeholder.bound_symbols = pair.forward.bound_symbols
