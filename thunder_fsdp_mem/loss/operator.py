@@ -130,14 +130,12 @@ def _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks
     return tuple(out)
 
 
-def _loss_impl(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
-    dtype = dtypes.to_torch_dtype(loss_dtype) if not isinstance(loss_dtype, torch.dtype) else loss_dtype
-    return _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, dtype, grads=False)
+def _loss_impl(*args):
+    return _run(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=False)
 
 
-def _with_grads_impl(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
-    dtype = dtypes.to_torch_dtype(loss_dtype) if not isinstance(loss_dtype, torch.dtype) else loss_dtype
-    return _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, dtype, grads=True)
+def _with_grads_impl(*args):
+    return _run(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=True)
 
 
 linear_cross_entropy = loss_ex.register_operator(FORWARD, meta=_loss_meta, fn=_loss_impl)

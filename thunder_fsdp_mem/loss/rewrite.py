@@ -13,6 +13,7 @@ would save nothing. Anything else stays as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
         new, chain, record = match
         if chunks is not None:
             new = new.from_bsym(args=new.args[:CHUNKS_ARG] + (chunks,) + new.args[CHUNKS_ARG + 1 :])
-            record = Found(record.logits_shape, record.dtype, record.softcap, record.bias, chunks)
+            record = dataclasses.replace(record, chunks=chunks)
         replace[i] = new
         dropped.update(chain)
         found.append(record)
