@@ -56,12 +56,16 @@ def progress(total: int, what: str, *, shown: bool = True):
 @contextmanager
 def plain_warnings():
     """Within it, every warning the report's work raises (the transform's, an unmet budget's) is one line on
-    stderr, ``thunder-fsdp-mem: warning: ...``: no file path, no source line, no category."""
+    stderr, ``thunder-fsdp-mem: warning: ...``: no file path, no source line, no category. Deprecations inside
+    Thunder and torch (``torch.is_autocast_cpu_enabled``) say nothing about the report: left out, as Python
+    leaves them out of any program but the test runners'."""
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         say(f"warning: {str(message).splitlines()[0] if str(message) else category.__name__}")
 
     with warnings.catch_warnings():
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
         warnings.showwarning = show
         yield
 
