@@ -85,7 +85,7 @@ def test_rows_are_named_by_module_and_op_with_the_trace_name_beside(report):
     made = [t for t in report.shown.top if t.trace_name.startswith("t") and t.name != t.trace_name]
     assert made, rows.keys()  # rows a trace allocated are named after what made them...
     assert any("transformer.h.[0-1]." in t.name for t in made), [t.name for t in made]  # ...layers as a range
-    assert "lm_head: linear" in rows  # the logits: the head's linear
+    assert "logits (lm_head)" in rows  # the logits: the head's linear
 
 
 def test_the_optimizer_state_is_named_alike_in_every_mode():

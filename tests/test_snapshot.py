@@ -102,7 +102,7 @@ def test_frames_name_the_op_its_source_line_and_the_phase(step):
         op, module = logits["frames"][:2]
         assert logits["size"] == logits_bytes
         assert "F.linear(" in linecache.getline(op["filename"], op["line"]), op
-        assert module["name"].startswith("lm_head"), module
+        assert module["name"] == "logits (lm_head)", module
     # Every source line a frame names is a line of that file.
     assert all(linecache.getline(f["filename"], f["line"]) for e in allocs for f in e["frames"] if f["line"])
 

@@ -11,7 +11,8 @@ trace's ``bound_symbols``.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from thunder_fsdp_mem.analysis.categories import Category
 
@@ -32,6 +33,9 @@ class InputSpec:
     nbytes: int | None = None
 
 
+_HEAD_OPS = frozenset({"linear", "matmul"})
+_PROXY = re.compile(r"[a-z_]{1,4}\d+")  # a name Thunder made up (t521, t_2, bw_t3)
+
 OUTSIDE = -1  # the ``start`` of an allocation held outside the traces (parameters, optimizer state, FSDP2's buffers)
 
 
@@ -44,7 +48,10 @@ class Allocation:
     outlives the trace. ``external``: held by someone other than the trace, which never frees it. ``module``:
     the model's module whose parameters its symbol reads (a gathered parameter's own name); ``after``: where it
     reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
-    tell."""
+    tell. ``op``: the op that computed it (inside a fusion, the fused op, not the fusion); ``role``: ``logits``,
+    ``loss`` (computed from the logits outside the model), ``gradient`` (of the parameter ``module``) or
+    ``parameter`` (a trace's input that is the parameter ``module``); see
+    ``provenance``."""
 
     name: str
     nbytes: int
@@ -58,17 +65,34 @@ class Allocation:
     external: bool = False
     module: str | None = None
     after: str | None = None
+    op: str = ""
+    role: str | None = None
 
     @property
     def label(self) -> str:
-        """What a reader can place: the module and its op (``transformer.h.3.mlp.fc: linear``), an op after a
-        module (``to after transformer.h.3.mlp.fc``), a gathered parameter by its name, else the allocation's own
-        name."""
+        """What a reader can place: the logits (``logits (lm_head)``), the loss's temporaries (``loss:
+        log_softmax``), a parameter's gradient, the module and its op (``transformer.h.3.mlp.fc: linear``), an op
+        after a module (``to after transformer.h.3.mlp.fc``), a gathered parameter by its name; where nothing is
+        known, a tensor the trace named by its dtype, shape and op (``float32 (8192, 49152) log_softmax``), else
+        the allocation's own name (``lm_head.weight (shard)``)."""
+        op = self.op or self.symbol
+        if self.role == "parameter" and self.module is not None:
+            return self.module
+        if self.role == "gradient" and self.module is not None:
+            return f"gradient of {self.module}"
+        if self.role == "logits":
+            return f"logits ({self.module})" if op in _HEAD_OPS else f"logits: {op}"
+        if self.role == "loss":
+            return f"loss: {op}"
         if self.module is not None:
             if self.category is Category.GATHERED_PARAMETER:
                 return f"{self.module} (gathered)"
-            return f"{self.module}: {self.symbol}"
-        return f"{self.symbol} after {self.after}" if self.after is not None else self.name
+            return f"{self.module or 'model'}: {op}"
+        if self.after is not None:
+            return f"{op} after {self.after or 'model'}"
+        if _PROXY.fullmatch(self.name) and op not in ("", "input"):
+            return f"{self.dtype} ({', '.join(map(str, self.shape))}) {op}"
+        return self.name
 
     def live_at(self, index: int) -> bool:
         return self.start <= index and (self.end is None or index < self.end)
@@ -108,6 +132,7 @@ class MemoryTimeline:
     outputs: Mapping[str, int]
     symbols: tuple[str, ...]
     unknown_symbols: tuple[str, ...] = ()
+    origins: Mapping[str, object] = field(default_factory=dict)  # name -> provenance.Origin of what the trace made
 
     @property
     def final_bytes(self) -> int:

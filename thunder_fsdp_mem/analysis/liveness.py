@@ -31,9 +31,9 @@ from thunder.core.trace import TraceCtx
 from thunder_fsdp_mem.analysis.allocations import OUTSIDE, Allocation, InputSpec, MemoryTimeline, OpMemory
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.effects import Effect, Kind, classify
+from thunder_fsdp_mem.analysis.provenance import Origin, Provenance, Scopes, user_line
 from thunder_fsdp_mem.analysis.references import Record, References
 from thunder_fsdp_mem.analysis.symbols import (
-    ALL_GATHER,
     ALL_REDUCE,
     REDUCE_SCATTER,
     WAITS,
@@ -55,6 +55,9 @@ def analyze(
     inputs: Mapping[str, InputSpec] | None = None,
     device_type: str | None = None,
     parameter_names: Mapping[str, str] | None = None,
+    scopes: Scopes | None = None,
+    origins: Mapping[str, Origin] | None = None,
+    gradients: Mapping[str, str] | None = None,
 ) -> MemoryTimeline:
     """Live storage bytes over ``trace`` (a Thunder execution trace, forward or backward).
 
@@ -64,15 +67,19 @@ def analyze(
     ``device_type``: the device the trace would run on, for a trace made on the meta device (None: each
     tensor's own). ``parameter_names``: trace argument name -> the parameter's qualified name, where the module is
     known, to tell which module made each allocation (``Allocation.module``; ThunderFX's names tell it alone).
+    ``scopes``, ``origins``, ``gradients``: what else places the allocations in the model (``provenance``: the
+    model's code by line, the origins of what the trace receives, the parameters its outputs are gradients of).
     """
     if not isinstance(trace, TraceCtx):
         raise TypeError(
             f"analyze() expects a Thunder execution trace (thunder.core.trace.TraceCtx), such as "
             f"thunder.last_traces(fn)[-1]; got {type(trace).__name__}"
         )
-    walk = _Walk(trace, References(dict(inputs or {}), parameter_names), device_type)
+    provenance = Provenance(trace, parameter_names, scopes, origins, gradients)
+    walk = _Walk(trace, References(dict(inputs or {}), parameter_names), provenance, device_type)
     walk.run()
     _inputs_from_start(walk.refs.records, walk.after, walk.inside)
+    _inputs_placed(walk.refs.records, provenance)
     _categorize_returned(walk.refs.records, walk.returned, _returned_categories(trace, walk))
     return _timeline(trace, walk)
 
@@ -82,15 +89,15 @@ class _Walk:
     the live bytes after each symbol (``after``) and while it runs (``inside``, its workspace included), the
     storages the trace returns, and which module made each allocation."""
 
-    def __init__(self, trace: TraceCtx, refs: References, device_type: str | None):
+    def __init__(self, trace: TraceCtx, refs: References, provenance: Provenance, device_type: str | None):
         self.trace = trace
         self.refs = refs
+        self.provenance = provenance
         self.device_type = device_type
         self.after: list[int] = []
         self.inside: list[int] = []
         self.workspaces: dict[int, int] = {}
         self.symbols: list[str] = []
-        self.module_of: dict[str, str] = {}  # tensor -> the module that made it
         self.unknown: list[str] = []
         self.held: dict[str, int] = {}  # a reduce-scatter's future -> the input it holds until its wait
         self.returned: dict[str, int] = {}  # name the trace returns -> its storage
@@ -133,7 +140,8 @@ class _Walk:
                 self.refs.bind(a, root=a.name)
         if sid in (REDUCE_SCATTER, ALL_REDUCE):
             self._collective(bsym, sid)
-        self._outputs(bsym, sid, effect)
+        self.provenance.visit(self.refs.index, bsym)
+        self._outputs(bsym, effect)
         if sid in WAITS:
             for a in bsym.flat_proxy_args:
                 held = self.held.pop(a.name, None)
@@ -154,42 +162,22 @@ class _Walk:
             self.refs.incref(held)
             self.held[bsym.flat_proxy_outs[0].name] = held
 
-    def _outputs(self, bsym, sid: str, effect: Effect) -> None:
+    def _outputs(self, bsym, effect: Effect) -> None:
         """Binds the outputs the trace has not seen: views on their base's storage, the rest on new storages, each
-        marked with the module that made it."""
+        marked with what made it (``provenance.Origin``)."""
         refs = self.refs
-        source = _source(bsym)
-        module, own = self._module(bsym, sid)
-        gathers = sid == ALL_GATHER or (sid in WAITS and any(a.name in refs.parameters for a in bsym.flat_proxy_args))
         for out in effect.outputs:
             name = out.proxy.name
             if name in refs.object_of:
                 continue
-            if module is not None:
-                self.module_of[name] = module
-                if gathers:  # the gathered parameter (its future, then what its wait returns) is a parameter too
-                    refs.parameters[name] = module
             record = refs.storage_of(out.base) if out.base is not None else None
             if record is None:
+                origin = self.provenance.of(name)
+                source = origin.source if origin is not None and origin.source else user_line(bsym)
                 record = refs.allocate(out.proxy, out.category, bsym.sym.name, source, size=out.nbytes)
-                if own:
-                    refs.records[record].module = module
-                else:
-                    refs.records[record].after = module
+                if origin is not None:
+                    _place(refs.records[record], origin)
             refs.add_tensor(name, record, out.strides)
-
-    def _module(self, bsym, sid: str) -> tuple[str | None, bool]:
-        """The module ``bsym`` belongs to, and whether it is its own: the module of the parameters it reads (an
-        all-gather's output is the parameter itself), else, not its own, the module of the first tensor it reads
-        that has one."""
-        if not self.refs.parameters and not self.module_of:
-            return None, False
-        args = tensor_args(bsym)
-        for a in args:
-            path = self.refs.parameters.get(a.name)
-            if path is not None:
-                return (path if sid == ALL_GATHER or sid in WAITS else path.rpartition(".")[0] or path), True
-        return next((self.module_of[a.name] for a in args if a.name in self.module_of), None), False
 
     def _return(self, bsym) -> None:
         for name in proxy_names(bsym.args):
@@ -218,6 +206,29 @@ def _inputs_from_start(records: list[Record], after: list[int], inside: list[int
         missing += late[i + 1]
         after[i] += missing
         inside[i] += missing
+
+
+def _inputs_placed(records: list[Record], provenance: Provenance) -> None:
+    """The trace's inputs named by where they come from: a parameter by its qualified name, a tensor the forward
+    saved by the origin the forward found for it."""
+    for record in records:
+        if record.symbol != "input":
+            continue
+        parameter = provenance.params.get(record.name)
+        if parameter is not None:
+            record.module, record.role = parameter, "parameter"
+            continue
+        origin = provenance.of(record.name)
+        if origin is not None:
+            _place(record, origin)
+
+
+def _place(record: Record, origin: Origin) -> None:
+    record.op, record.role = origin.op, origin.role
+    if origin.own:
+        record.module = origin.module
+    else:
+        record.after = origin.module
 
 
 def _returned_categories(trace: TraceCtx, walk: _Walk) -> list[tuple[list[str], Category]]:
@@ -257,7 +268,7 @@ def _timeline(trace: TraceCtx, walk: _Walk) -> MemoryTimeline:
                 nbytes=workspace,
                 category=Category.TEMPORARY,
                 symbol=peak_symbol,
-                source=_source(trace.bound_symbols[peak_index]),
+                source=user_line(trace.bound_symbols[peak_index]),
                 start=peak_index,
                 end=peak_index + 1,
             )
@@ -274,6 +285,7 @@ def _timeline(trace: TraceCtx, walk: _Walk) -> MemoryTimeline:
         outputs=dict(walk.returned),
         symbols=tuple(symbols),
         unknown_symbols=tuple(dict.fromkeys(walk.unknown)),
+        origins=walk.provenance.origins,
     )
 
 
@@ -283,12 +295,3 @@ def _is_backward(trace: TraceCtx) -> bool:
     except Exception:  # noqa: BLE001 - a trace without signature info is simply not a backward
         return False
     return "saved_for_backward" in names
-
-
-def _source(bsym) -> str | None:
-    for candidate in (bsym, *bsym.subsymbols):
-        filename = candidate.source_filename
-        if filename:
-            line = candidate.source_positions.lineno if candidate.source_positions else None
-            return f"{filename}:{line}" if line is not None else filename
-    return None

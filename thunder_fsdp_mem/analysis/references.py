@@ -42,6 +42,8 @@ class Record:
     external: bool = False
     module: str | None = None
     after: str | None = None
+    op: str = ""
+    role: str | None = None
 
     def frozen(self) -> Allocation:
         return Allocation(**{f.name: getattr(self, f.name) for f in fields(self)})

@@ -56,6 +56,7 @@ from thunder_fsdp_mem.analysis.optimizer import (
     optimizer_step_allocation,
     parameter_order,
 )
+from thunder_fsdp_mem.analysis.provenance import Scopes, gradients, scopes_of
 from thunder_fsdp_mem.analysis.phases import Phase, Stage, StepMemory, Timeline, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
 
@@ -111,6 +112,7 @@ def estimate_step(
         device_type=device_type,
         parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
         optimizer_step=optimizer_step_allocation(optimizer, device_type),
+        scopes=scopes_of(getattr(fn, "_model", fn)) if isinstance(fn, torch.nn.Module) else None,
     )
 
 
@@ -173,6 +175,7 @@ def _compose(
     device_type: str | None = None,
     parameter_names: dict[str, str] | None = None,
     optimizer_step: Allocation | None = None,
+    scopes: Scopes | None = None,
 ) -> StepMemory:
     """The step's phases in order: the forward, the loss (with ``loss``), the backward (with a backward trace)
     and the optimizer's step (with ``optimizer_step``), each beside what is held outside it then."""
@@ -183,7 +186,9 @@ def _compose(
             for name, held in persistent.items()
             if name in forward_args
         }
-        forward = analyze(forward_trace, inputs=inputs, device_type=device_type, parameter_names=parameter_names)
+        forward = analyze(
+            forward_trace, inputs=inputs, device_type=device_type, parameter_names=parameter_names, scopes=scopes
+        )
     holdings = Holdings()
     for held in _unique(persistent.values()):
         holdings.hold(Key(_Held.PERSISTENT, item=held.key), held.record, _MODEL)
@@ -197,7 +202,12 @@ def _compose(
     gradient_bytes = 0
     if backward_trace is not None:
         backward = analyze(
-            backward_trace, inputs=_saved_specs(forward), device_type=device_type, parameter_names=parameter_names
+            backward_trace,
+            inputs=_saved_specs(forward),
+            device_type=device_type,
+            parameter_names=parameter_names,
+            origins=forward.origins,
+            gradients=gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], parameter_names),
         )
         gradient_bytes = _backward_phases(holdings, forward, backward, backward_trace, persistent, optimizer_step)
     return step_memory(

@@ -66,6 +66,7 @@ from thunder_fsdp_mem.analysis.step import (
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.analysis.provenance import is_head
 from thunder_fsdp_mem.predict.fsdp2_units import (
     AUTOGRAD,
     CALLER,
@@ -73,9 +74,11 @@ from thunder_fsdp_mem.predict.fsdp2_units import (
     Held,
     Unit,
     hold_persistent,
+    placed_timeline,
     record,
     renamed,
     tensor_record,
+    unplaced,
     units,
 )
 from thunder_fsdp_mem.predict.meta import as_on
@@ -239,7 +242,8 @@ class _Forward:
             out = unit.module(x)
         kind = type(unit.module).__name__
         out_key = Key(Held.ACTIVATION, unit.name)
-        out_record = tensor_record(f"output of {unit.name}", out, Category.TEMPORARY, f"{kind} (eager)")
+        name = f"logits ({unit.path})" if is_head(unit.path) else f"output of {unit.name}"
+        out_record = tensor_record(name, out, Category.TEMPORARY, f"{kind} (eager)")
         ledger.phase(Stage.FORWARD, f"forward: {unit.name}", extra=(out_record,), symbol=f"{kind} (eager)")
         ledger.hold(out_key, out_record, CALLER)
         holder = Holder(Role.SAVED, unit.name)
@@ -258,14 +262,14 @@ class _Forward:
     def _block(self, unit: Unit, x_key: Key) -> Key:
         ledger, blocks = self.ledger, self.blocks
         self.fsdp.gather(unit, forward=True)
-        ledger.phase(Stage.FORWARD, f"forward: {unit.name}", blocks.forward, inside=[x_key])
+        ledger.phase(Stage.FORWARD, f"forward: {unit.name}", placed_timeline(blocks.forward, unit.path), inside=[x_key])
         holder = Holder(Role.SAVED, unit.name)
         outputs = blocks.forward.outputs
         output = outputs[blocks.output]
         out_key = Key(Held.ACTIVATION, unit.name, output)
         ledger.hold(
             out_key,
-            renamed(blocks.forward.allocations[output], f"output of {unit.name}", Category.TEMPORARY, unit.path),
+            unplaced(renamed(blocks.forward.allocations[output], f"output of {unit.name}", Category.TEMPORARY)),
             CALLER,
         )
         for name in blocks.saved:
@@ -318,7 +322,12 @@ class _Backward:
         ledger, blocks = self.ledger, self.blocks
         saved = ledger.held_by(Role.SAVED, unit.name)
         incoming = Key(Held.INCOMING_GRADIENT, unit.name)
-        ledger.phase(Stage.BACKWARD, f"backward: {unit.name}", blocks.backward, inside=[*saved, incoming])
+        ledger.phase(
+            Stage.BACKWARD,
+            f"backward: {unit.name}",
+            placed_timeline(blocks.backward, unit.path),
+            inside=[*saved, incoming],
+        )
         self._done(unit, saved)
         made = [a for a in blocks.backward.allocations if a.end is None and not a.external]
         shape = self.inputs[unit.name].shape

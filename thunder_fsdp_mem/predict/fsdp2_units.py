@@ -27,7 +27,7 @@ import torch
 from litgpt.model import Block
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation
+from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation, MemoryTimeline
 from thunder_fsdp_mem.analysis.step import Holder, Holdings, Key, Role, Stage, adam_state, held_allocation
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 
@@ -122,19 +122,32 @@ def tensor_record(name: str, t: torch.Tensor, category: Category, symbol: str) -
 def renamed(a: Allocation, name: str, category: Category, path: str | None = None) -> Allocation:
     """A trace's allocation as the ledger holds it once its trace is done: outside the traces, never freed by one;
     its module placed in the model (``path``: the unit's, for the block graph's module names)."""
+    return dataclasses.replace(placed(a, path), name=name, category=category, start=OUTSIDE, end=None, external=True)
 
-    def placed(module: str | None) -> str | None:
-        return f"{path}.{module}" if path is not None and module is not None else module
 
+def placed(a: Allocation, path: str | None) -> Allocation:
+    """``a`` of the block graph with its module names placed under the unit at ``path`` (the graph's are the
+    block's own: ``attn.qkv``, "" for the block)."""
+
+    def under(module: str | None) -> str | None:
+        if path is None or module is None:
+            return module
+        return f"{path}.{module}" if module else path
+
+    return dataclasses.replace(a, module=under(a.module), after=under(a.after))
+
+
+def unplaced(a: Allocation) -> Allocation:
+    """``a`` known by its name alone (``output of transformer.h.3``), not by the op that made it."""
+    return dataclasses.replace(a, module=None, after=None, op="", role=None)
+
+
+def placed_timeline(timeline: MemoryTimeline, path: str) -> MemoryTimeline:
+    """The block graph's timeline as the unit at ``path`` runs it: its allocations named in the model."""
     return dataclasses.replace(
-        a,
-        name=name,
-        category=category,
-        start=OUTSIDE,
-        end=None,
-        external=True,
-        module=placed(a.module),
-        after=placed(a.after),
+        timeline,
+        allocations=tuple(placed(a, path) for a in timeline.allocations),
+        live_at_peak=tuple(placed(a, path) for a in timeline.live_at_peak),
     )
 
 

@@ -25,6 +25,7 @@ from thunder.dynamo import ThunderCompiler
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import InputSpec, MemoryTimeline, analyze
+from thunder_fsdp_mem.analysis.provenance import gradients, scopes_of
 from thunder_fsdp_mem.analysis.symbols import proxy_names
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
@@ -71,8 +72,15 @@ def trace_blocks(
     backward_trace = _placed_at_user_lines(thunder.last_backward_traces(fns[0])[-1], sources)
     activation = _activation_name(forward_trace, tuple(x.shape))
     output, saved = _returned(forward_trace)
-    forward = analyze(forward_trace, inputs=_forward_specs(forward_trace), device_type=device_type)
-    backward = analyze(backward_trace, inputs=_backward_specs(forward), device_type=device_type)
+    scopes = scopes_of(gpt.transformer.h[0])  # the graph's names are the block's own (attn.qkv.weight)
+    forward = analyze(forward_trace, inputs=_forward_specs(forward_trace), device_type=device_type, scopes=scopes)
+    backward = analyze(
+        backward_trace,
+        inputs=_backward_specs(forward),
+        device_type=device_type,
+        origins=forward.origins,
+        gradients=gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], None),
+    )
     return BlockTraces(forward, backward, activation, output, saved)
 
 
