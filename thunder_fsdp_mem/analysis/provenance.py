@@ -30,7 +30,15 @@ from functools import lru_cache
 import torch
 import thunder
 
-from thunder_fsdp_mem.analysis.symbols import ALL_GATHER, REDUCE_SCATTER, WAITS, parameter_path, sym_id, tensor_args
+from thunder_fsdp_mem.analysis.symbols import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    WAITS,
+    parameter_path,
+    proxy_names,
+    sym_id,
+    tensor_args,
+)
 
 HEAD = "lm_head"  # litgpt's language-model head, whose output is the logits
 
@@ -222,6 +230,26 @@ def gradients(backward, forward_args: list[str], parameters: Mapping[str, str] |
             first = tensor_args(bsym)[:1]
             if first:
                 out.setdefault(first[0].name, out[outs[0]])
+    return out
+
+
+def cotangents(forward, backward, origins: Mapping[str, Origin]) -> dict[str, Origin]:
+    """The origins of what a backward receives as ``cotangents``: the gradient of each output of its forward, in
+    order (``gradient of the logits``, ``gradient of the output``)."""
+    returned = forward.bound_symbols[-1].args
+    value = returned[0] if len(returned) == 1 else returned
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict) and "output" in value[0]):
+        return {}
+    outputs = proxy_names(value[0]["output"])
+    try:
+        received = backward.args[[name for name, _ in backward.siginfo().args].index("cotangents")]
+    except (ValueError, IndexError):
+        return {}
+    out = {}
+    for output, cotangent in zip(outputs, proxy_names(received)):
+        origin = origins.get(output)
+        what = "the logits" if origin is not None and origin.role == "logits" else "the output"
+        out[cotangent] = Origin(what, "", role="gradient")
     return out
 
 

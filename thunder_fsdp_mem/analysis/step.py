@@ -56,7 +56,7 @@ from thunder_fsdp_mem.analysis.optimizer import (
     optimizer_step_allocation,
     parameter_order,
 )
-from thunder_fsdp_mem.analysis.provenance import Scopes, gradients, scopes_of
+from thunder_fsdp_mem.analysis.provenance import Scopes, cotangents, gradients, scopes_of
 from thunder_fsdp_mem.analysis.phases import Phase, Stage, StepMemory, Timeline, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
 
@@ -206,7 +206,7 @@ def _compose(
             inputs=_saved_specs(forward),
             device_type=device_type,
             parameter_names=parameter_names,
-            origins=forward.origins,
+            origins={**forward.origins, **cotangents(forward_trace, backward_trace, forward.origins)},
             gradients=gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], parameter_names),
         )
         gradient_bytes = _backward_phases(holdings, forward, backward, backward_trace, persistent, optimizer_step)

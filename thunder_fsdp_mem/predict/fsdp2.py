@@ -339,7 +339,7 @@ class _Backward:
         kind = f"{type(unit.module).__name__} backward"
         params = [
             record(
-                f"gradient of {unit.name}.{n}",
+                f"gradient of {unit.path}.{n}",
                 p.numel() * p.element_size(),
                 Category.GRADIENT,
                 tuple(p.shape),

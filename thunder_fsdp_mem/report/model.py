@@ -2,7 +2,7 @@
 
 A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it; and with
 ``--measure``, the measured step beside the plan shown (``comparison.Comparison``). The top allocations at the peak
-are grouped: allocations of the same shape, dtype, category, producing symbol and source line (one per block of a
+are grouped: allocations of the same shape, dtype, category, producing symbol (and op in it) and source line (one per block of a
 litgpt model) are one row with a count, named by ``pattern_name``. Everything here is frozen data; the renderers
 (``text``, ``as_json``, ``plot``) only read it.
 """
@@ -155,7 +155,7 @@ def summary_rows(step: StepMemory) -> list[tuple[str, str, int]]:
 def _plan(label: str, step: StepMemory, top: int, caching: bool = False, memory_cap: int | None = None) -> Plan:
     groups: dict[tuple, list] = {}
     for a in step.live_at_peak:
-        key = (a.shape, a.dtype, a.category, a.symbol, a.source, a.nbytes)
+        key = (a.shape, a.dtype, a.category, a.symbol, a.op, a.role, a.source, a.nbytes)
         groups.setdefault(key, []).append(a)
     rows = [
         TopAllocation(
