@@ -395,3 +395,17 @@ def test_a_warning_reaches_the_user_as_one_plain_line(capsys):
     # the peak it names is the plan's the report shows (estimated once every pass has run)
     peak = re.search(r"Peak per rank: (\S+ \S+) ", out).group(1)
     assert f"the least reachable is a peak of {peak} " in line, (peak, line)
+
+
+def test_the_help_examples_are_valid_command_lines():
+    # every example under report's and fit's --help parses and passes the checks a run makes first
+    import shlex
+
+    from thunder_fsdp_mem.cli.parser import FIT_EXAMPLES, REPORT_EXAMPLES, build_parser
+    from thunder_fsdp_mem.cli.validate import validate
+
+    lines = [line.strip() for text in (REPORT_EXAMPLES, FIT_EXAMPLES) for line in text.splitlines()[1:]]
+    assert len(lines) == 6
+    for line in lines:
+        args = build_parser().parse_args(shlex.split(line)[1:])
+        validate(args)

@@ -50,7 +50,7 @@ class Allocation:
     reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
     tell. ``op``: the op that computed it (inside a fusion, the fused op, not the fusion); ``role``: ``logits``,
     ``loss`` (computed from the logits outside the model), ``gradient`` (of the parameter ``module``) or
-    ``parameter`` (a trace's input that is the parameter ``module``); see
+    ``parameter`` (the parameter ``module``: a trace's input, or gathered, reshaped or cast); see
     ``provenance``."""
 
     name: str
@@ -77,7 +77,9 @@ class Allocation:
         the allocation's own name (``lm_head.weight (shard)``)."""
         op = self.op or self.symbol
         if self.role == "parameter" and self.module is not None:
-            return self.module
+            if self.category is Category.GATHERED_PARAMETER:
+                return f"{self.module} (gathered)"
+            return f"{self.module}: {self.op}" if self.op and self.symbol != "input" else self.module
         if self.role == "gradient" and self.module is not None:
             return f"gradient of {self.module}"
         if self.role == "logits":

@@ -48,8 +48,8 @@ class Origin:
     """What made a tensor. ``module``: the module's qualified name ("" for the model itself; for a gradient or a
     gathered parameter, the parameter's); ``op``: the op that computed it; ``own``: the op is the module's (it
     reads its parameters or lies in its code), not merely after it; ``role``: ``logits``, ``loss``, ``gradient``
-    (of the parameter ``module``) or None; ``source``: the user's line of the op (``file:line``), None where
-    Thunder recorded none outside its own code."""
+    (of the parameter ``module``), ``parameter`` (the parameter ``module``, gathered, reshaped or cast) or None;
+    ``source``: the user's line of the op (``file:line``), None where Thunder recorded none outside its own code."""
 
     module: str | None
     op: str
@@ -178,7 +178,7 @@ class Provenance:
         sid = sym_id(op)
         read = [self.params[a.name] for a in tensor_args(op) if a.name in self.params]
         if read and self._moves(op):
-            return Origin(read[0], name)
+            return Origin(read[0], name, role="parameter")
         if read:
             module = read[0].rpartition(".")[0]
             if not is_head(module):

@@ -20,6 +20,19 @@ REPORT_ONLY_DEFAULTS = dict(
 )
 
 
+# Shown under each command's --help (tests/test_cli.py parses each line's arguments).
+REPORT_EXAMPLES = """examples:
+  thunder-fsdp-mem report
+  thunder-fsdp-mem report --model stablecode-completion-alpha-3b --n-layers 12 --block-size 8192 --transform
+  thunder-fsdp-mem report --mode jit --executors fused --loss trace --transform
+  thunder-fsdp-mem report --model Llama-3.2-1B --memory-budget 40GiB --memory-cap 80GB --json report.json
+"""
+FIT_EXAMPLES = """examples:
+  thunder-fsdp-mem fit 80GB --model Llama-3.2-1B
+  thunder-fsdp-mem fit 141GiB --model stablecode-completion-alpha-3b --mode thunder-fsdp --shard zero3
+"""
+
+
 class UsageError(Exception):
     """A mistake in the command line: ``main`` prints its message as one line and exits with 2."""
 
@@ -33,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="thunder-fsdp-mem", description="Where the memory of a Thunder training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser(
-        "report", help="memory report of one training step of a litgpt model, predicted on the meta device"
+        "report",
+        help="memory report of one training step of a litgpt model, predicted on the meta device",
+        epilog=REPORT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_step_options(report, report=True)
     _add_report_options(report)
@@ -44,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="The largest sequence length (a power of two, at --micro-batch-size) and the largest "
         "micro-batch (at --block-size) whose predicted peak fits SIZE per rank, without the transform and with it "
         "at that budget; each candidate is one step traced on the meta device.",
+        epilog=FIT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     fit.add_argument("fit", metavar="SIZE", help="the memory per rank the step must fit (80GB, 141GiB)")
     _add_step_options(fit, report=False)
@@ -59,10 +77,18 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
     from thunder_fsdp_mem.predict.emulate import MODES
     from thunder_fsdp_mem.training.runtime import EXECUTOR_CHOICES, SHARDS
 
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"litgpt configuration name (default {DEFAULT_MODEL})")
-    parser.add_argument("--n-layers", type=int, default=None, help="number of blocks (default: the model's)")
-    parser.add_argument("--block-size", type=int, default=512, help="sequence length (default 512)")
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per step and rank (default 1)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"litgpt configuration name, e.g. Llama-3.2-1B (default {DEFAULT_MODEL})",
+    )
+    parser.add_argument("--n-layers", type=int, default=None, help="number of blocks, e.g. 12 (default: the model's)")
+    parser.add_argument(
+        "--block-size", type=int, default=512, help="sequence length in tokens, e.g. 8192 (default 512)"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=1, help="sequences per step and rank, e.g. 2 (default 1)"
+    )
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="parameter dtype (default bf16)")
     parser.add_argument(
         "--mode",
@@ -81,7 +107,7 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="ranks, emulated by a fake process group or composed per rank (default 2; jit: 1)",
+        help="ranks, emulated by a fake process group or composed per rank, e.g. 8 (default 2; jit: 1)",
     )
     parser.add_argument(
         "--device",
@@ -93,8 +119,9 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         "--executors",
         choices=EXECUTOR_CHOICES,
         default="default+cat",
-        help="Thunder's executors: its defaults, with torch.compile's for rotary's cat first as in "
-        "benchmarks/compare.py (default default+cat)",
+        help="Thunder's executors: default, Thunder's own list; default+cat, the same with torch.compile's "
+        "executor for rotary's cat first (as benchmarks/compare.py runs); fused, a fusion executor "
+        "(nvFuser when installed, else torch.compile's after sdpa) (default default+cat)",
     )
     parser.add_argument(
         "--loss",
@@ -125,7 +152,7 @@ def _add_report_options(report: argparse.ArgumentParser) -> None:
         help="the memory a rank may reserve (a GPU's size, or the limit of torch.cuda."
         "set_per_process_memory_fraction; 80GB emulates an H100 on an H200): replays PyTorch's "
         "caching allocator over the step and says whether it runs out under it; with "
-        "--memory-budget, the plan must run under it too (--device cuda)",
+        "--memory-budget, the plan must run under it too (--device cuda) (default: no cap)",
     )
     report.add_argument(
         "--memory-budget",
@@ -133,7 +160,7 @@ def _add_report_options(report: argparse.ArgumentParser) -> None:
         default=None,
         help="plan the step with FSDPMemoryTransform fitting this per-rank peak (60GB, 55.9GiB): it "
         "recomputes matmuls and attention in backward where it must; shows what, and the "
-        "predicted added time (implies --transform)",
+        "predicted added time (implies --transform) (default: no budget)",
     )
     report.add_argument(
         "--fit",
@@ -149,25 +176,29 @@ def _add_report_options(report: argparse.ArgumentParser) -> None:
         help="also plan the step with FSDPMemoryTransform and show both (default: without only; a budget or "
         "--[no-]fusion-rematerialize implies it)",
     )
-    report.add_argument("--top", type=int, default=10, help="allocation patterns to list at the peak (default 10)")
+    report.add_argument(
+        "--top", type=int, default=10, help="allocation patterns to list at the peak, e.g. 20 (default 10)"
+    )
     report.add_argument(
         "--measure",
         action="store_true",
         help="also run one step for real, a probe after every symbol, and show it beside the "
         "prediction (under torchrun for fsdp2 and thunder-fsdp: torchrun --nproc-per-node W -m "
-        "thunder_fsdp_mem.cli report --measure ...)",
+        "thunder_fsdp_mem.cli report --measure ...) (default: predicted only)",
     )
-    report.add_argument("--plot", metavar="PATH", help="also write the memory timeline to PATH (.png, .svg, .pdf)")
+    report.add_argument(
+        "--plot", metavar="PATH", help="also write the memory timeline to PATH, e.g. step.png (.png, .svg, .pdf)"
+    )
     report.add_argument(
         "--snapshot",
         metavar="PATH",
         help="also write the predicted step to PATH as a PyTorch memory snapshot (the pickle of "
         "torch.cuda.memory._dump_snapshot: open it on pytorch.org/memory_viz); beside it, "
         "with --transform, the plan without the transform (NAME-without-transform.pickle) "
-        "and, with --measure on CUDA, the recorded step (NAME-measured.pickle)",
+        "and, with --measure on CUDA, the recorded step (NAME-measured.pickle); e.g. step.pickle",
     )
 
 
 def _add_output_options(parser: argparse.ArgumentParser, json_help: str) -> None:
-    parser.add_argument("--json", metavar="PATH", help=json_help)
+    parser.add_argument("--json", metavar="PATH", help=json_help + ", e.g. report.json")
     parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks of internal errors")

@@ -2,9 +2,9 @@
 
 A report holds one plan, or two side by side: the step without ``FSDPMemoryTransform`` and with it; and with
 ``--measure``, the measured step beside the plan shown (``comparison.Comparison``). The top allocations at the peak
-are grouped: allocations of the same shape, dtype, category, producing symbol (and op in it) and source line (one per block of a
-litgpt model) are one row with a count, named by ``pattern_name``. Everything here is frozen data; the renderers
-(``text``, ``as_json``, ``plot``) only read it.
+are grouped: allocations of the same shape, dtype, category, producing symbol (and op in it) and source line (one
+per block of a litgpt model) are one row with a count, named by ``pattern_name``. Everything here is frozen data;
+the renderers (``text``, ``as_json``, ``plot``) only read it.
 """
 
 from __future__ import annotations
