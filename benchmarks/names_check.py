@@ -67,7 +67,7 @@ def _broken(a, modules: dict, parameters: set[str], spec: models.ModelSpec) -> s
             return "the logits without the vocabulary as last dimension"
         return None
     module = a.module if a.module is not None else a.after
-    if module is None or a.role in ("loss",) or module in ("the logits", "the output"):
+    if module is None or a.role in ("loss", "cotangent"):
         return None
     if a.role in ("gradient", "parameter") or a.category is Category.GATHERED_PARAMETER:
         return None if module in parameters else f"{module} is no parameter of the model"

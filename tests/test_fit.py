@@ -40,6 +40,15 @@ def test_sequence_lengths_are_powers_of_two_up_to_the_longest():
     assert sequence_lengths(100) == (256,)
 
 
+def test_the_longest_length_searched_and_why():
+    from thunder_fsdp_mem.predict.fit import LONGEST, Longest, longest_for
+
+    assert longest_for(2048, 512) == Longest(2048, "the model's configured block size")
+    assert longest_for(2048, 5000) == Longest(4096, "--block-size")
+    assert longest_for(None, 700) == Longest(512, "--block-size")
+    assert longest_for(10**7, 512) == Longest(LONGEST, f"{LONGEST} tokens, the most the CLI takes")
+
+
 SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--mode", "jit", "--device", "cpu", "--block-size", "512"]
 
 
@@ -68,6 +77,16 @@ def test_report_fit_finds_what_fits_and_what_does_not(report_fit, tmp_path):
     # Without the transform: 256 tokens fit and 512 do not; the report of a 256-token step predicts the same peak.
     without = fit["plans"][0]
     assert (without["tokens"]["value"], without["tokens"]["above"]) == (256, 512)
+    # the limits searched, and why the longest: pythia-14m's configured block size is 512 tokens
+    assert fit["searched"] == {
+        "tokens": [256, 512],
+        "longest_because": "the model's configured block size",
+        "micro_batches": [1, 64],
+    }
+    assert (
+        "Searched sequence lengths of 256 to 512 tokens (the longest: the model's configured block size)"
+        in " ".join(text.split())
+    )
     json_path = tmp_path / "r.json"
     assert main(["report", *SMALL[:-1], "256", "--json", str(json_path)]) == 0
     assert json.loads(json_path.read_text())["peak_bytes"] == without["tokens"]["peak_bytes"]

@@ -50,7 +50,8 @@ class Allocation:
     reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
     tell. ``op``: the op that computed it (inside a fusion, the fused op, not the fusion); ``role``: ``logits``,
     ``loss`` (computed from the logits outside the model), ``gradient`` (of the parameter ``module``) or
-    ``parameter`` (the parameter ``module``: a trace's input, or gathered, reshaped or cast); see
+    ``parameter`` (the parameter ``module``: a trace's input, or gathered, reshaped or cast), ``cotangent`` (the
+    gradient of the forward's ``op``, as a backward receives it); see
     ``provenance``."""
 
     name: str
@@ -79,7 +80,9 @@ class Allocation:
         if self.role == "parameter" and self.module is not None:
             if self.category is Category.GATHERED_PARAMETER:
                 return f"{self.module} (gathered)"
-            return f"{self.module}: {self.op}" if self.op and self.symbol != "input" else self.module
+            return f"{self.module}: {self.op}" if self.op else self.module
+        if self.role == "cotangent":
+            return f"gradient of the {self.op}"
         if self.role == "gradient" and self.module is not None:
             return f"gradient of {self.module}"
         if self.role == "logits":

@@ -48,7 +48,8 @@ class Origin:
     """What made a tensor. ``module``: the module's qualified name ("" for the model itself; for a gradient or a
     gathered parameter, the parameter's); ``op``: the op that computed it; ``own``: the op is the module's (it
     reads its parameters or lies in its code), not merely after it; ``role``: ``logits``, ``loss``, ``gradient``
-    (of the parameter ``module``), ``parameter`` (the parameter ``module``, gathered, reshaped or cast) or None;
+    (of the parameter ``module``), ``parameter`` (the parameter ``module``, gathered, reshaped or cast),
+    ``cotangent`` (what a backward receives: the gradient of its forward's ``op``, ``logits`` or ``output``) or None;
     ``source``: the user's line of the op (``file:line``), None where Thunder recorded none outside its own code."""
 
     module: str | None
@@ -166,9 +167,9 @@ class Provenance:
         if not outs:
             return
         name = op.sym.name
-        origin = self._origin(index, op, name)
+        origin = self._origin(index, op, name) or Origin(None, name, own=False)  # at least the op
         source = user_line(op)
-        if origin is not None and source is not None:
+        if source is not None:
             origin = dataclasses.replace(origin, source=source)
         for o in outs:
             parameter = self.gradients.get(o)
@@ -194,12 +195,16 @@ class Provenance:
             return Origin(placed, name)
         if sid == REDUCE_SCATTER or not inputs:
             return None
-        # the most telling of what it reads: a role (the loss, a gradient), else the deepest module
-        first = max(inputs, key=lambda o: (o.role is not None, len((o.module or "").split("."))))
+        # the most telling of what it reads: the loss, a parameter, else the deepest module; a gradient only moved
+        placed_inputs = [o for o in inputs if o.role not in ("gradient", "cotangent") and o.module is not None]
+        if not placed_inputs:
+            moved = bool(inputs) and inputs[0].role == "gradient" and sid in _IN_TRANSIT
+            return Origin(inputs[0].module, name, own=False, role="gradient") if moved else None
+        first = max(placed_inputs, key=lambda o: (o.role is not None, len((o.module or "").split("."))))
         if first.role in ("logits", "loss"):
             return Origin(first.module, name, own=False, role="loss")
-        if first.role == "gradient":
-            return Origin(first.module, name, own=False, role="gradient")
+        if first.role == "parameter":  # a parameter the forward cast or gathered for the backward: the module's op
+            return Origin(first.module.rpartition(".")[0], name)
         return Origin(first.module, name, own=False)
 
     def _in_code(self, index: int, op) -> str | None:
@@ -248,8 +253,8 @@ def cotangents(forward, backward, origins: Mapping[str, Origin]) -> dict[str, Or
     out = {}
     for output, cotangent in zip(outputs, proxy_names(received)):
         origin = origins.get(output)
-        what = "the logits" if origin is not None and origin.role == "logits" else "the output"
-        out[cotangent] = Origin(what, "", role="gradient")
+        what = "logits" if origin is not None and origin.role == "logits" else "output"
+        out[cotangent] = Origin(None, what, role="cotangent")
     return out
 
 

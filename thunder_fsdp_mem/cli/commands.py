@@ -100,13 +100,13 @@ def run_fit(args) -> int:
     from litgpt.config import name_to_config
 
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.predict.fit import fit_step
+    from thunder_fsdp_mem.predict.fit import fit_step, longest_for
     from thunder_fsdp_mem.report import fit_json, render_fit
     from thunder_fsdp_mem.training import models
 
     spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
-    longest = max(name_to_config[args.model].get("block_size", args.block_size), args.block_size)
+    longest = longest_for(name_to_config[args.model].get("block_size"), args.block_size)
     fits = []
     try:
         for label, config in (
@@ -125,7 +125,7 @@ def run_fit(args) -> int:
                     spec,
                     args.fit,
                     config=config,
-                    longest=longest,
+                    longest=longest.tokens,
                     micro_batch_size=args.micro_batch_size,
                     on_trace=on_trace,
                     **_step_options(args),
@@ -137,11 +137,22 @@ def run_fit(args) -> int:
         f"{args.model}, {n_layers} layer{'s' if n_layers != 1 else ''}, {args.dtype}, {args.mode} ({_where(args)}), "
         f"{args.executors} executors, predicted for {args.device}"
     )
-    print(render_fit(fits, title=title, block_size=args.block_size, micro_batch_size=args.micro_batch_size))
+    print(
+        render_fit(
+            fits,
+            title=title,
+            block_size=args.block_size,
+            micro_batch_size=args.micro_batch_size,
+            longest=longest,
+            width=shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns,
+        )
+    )
     if args.json:
         try:
             with open(args.json, "w") as f:
-                json.dump({"title": title, "settings": _settings(args, n_layers), **fit_json(fits)}, f, indent=2)
+                json.dump(
+                    {"title": title, "settings": _settings(args, n_layers), **fit_json(fits, longest)}, f, indent=2
+                )
         except OSError as e:
             raise UsageError(f"cannot write --json {args.json}: {e.strerror or e}") from None
     return 0

@@ -24,6 +24,34 @@ MICRO_BATCHES = tuple(2**k for k in range(7))  # 1 to 64
 
 
 @dataclass(frozen=True, slots=True)
+class Longest:
+    """The longest sequence length the search tries, and why it stops there."""
+
+    tokens: int
+    why: str
+
+
+def longest_for(configured: int | None, block_size: int) -> Longest:
+    """The longest sequence length to try: the model's configured block size (its longest position), or the step's
+    ``block_size`` where that is longer, at most ``LONGEST``."""
+    if block_size > (configured or 0):
+        tokens, why = block_size, "--block-size"
+    else:
+        tokens, why = configured, "the model's configured block size"
+    if tokens >= LONGEST:
+        return Longest(LONGEST, f"{LONGEST} tokens, the most the CLI takes")
+    return Longest(_power_below(tokens), why)
+
+
+def _power_below(tokens: int) -> int:
+    """The largest candidate length (a power of two from ``SHORTEST``) not above ``tokens``."""
+    out = SHORTEST
+    while out * 2 <= tokens:
+        out *= 2
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class Largest:
     """The largest candidate that fits (``value``, None: not even the smallest) and its predicted peak; the next
     candidate, which does not fit (``above``, None: the largest fits), and its peak."""

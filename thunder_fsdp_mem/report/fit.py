@@ -7,17 +7,25 @@ from __future__ import annotations
 import dataclasses
 import io
 
-from thunder_fsdp_mem.predict.fit import StepFit
+from thunder_fsdp_mem.predict.fit import MICRO_BATCHES, SHORTEST, Longest, StepFit
 from thunder_fsdp_mem.report.tables import table
 from thunder_fsdp_mem.units import format_bytes
 
 
-def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, micro_batch_size: int) -> str:
+def render_fit(
+    fits: list[tuple[str, StepFit]],
+    *,
+    title: str,
+    block_size: int,
+    micro_batch_size: int,
+    longest: Longest,
+    width: int = 100,
+) -> str:
     """``thunder-fsdp-mem fit``: per plan, the largest sequence length and micro-batch that fit, and the next that does
-    not, each with its predicted peak."""
+    not, each with its predicted peak; then the limits searched and why (``longest``)."""
     from rich.console import Console
 
-    console = Console(file=io.StringIO(), width=180, color_system=None, highlight=False)
+    console = Console(file=io.StringIO(), width=width, color_system=None, highlight=False)
     capacity = fits[0][1].capacity
     console.print(
         f"{title}: the largest step whose predicted peak fits {format_bytes(capacity)} per rank ({capacity} bytes)"
@@ -42,15 +50,23 @@ def render_fit(fits: list[tuple[str, StepFit]], *, title: str, block_size: int, 
         )
     console.print(out)
     console.print(
-        "(sequence lengths and micro-batches are powers of two; the transform runs with the size as its memory budget)"
+        f"Searched sequence lengths of {SHORTEST} to {longest.tokens} tokens (the longest: {longest.why}) and "
+        f"micro-batches of 1 to {MICRO_BATCHES[-1]}, powers of two; a next of '-': the largest searched fits. "
+        "The transform runs with the size as its memory budget."
     )
     return console.file.getvalue().rstrip("\n")
 
 
-def fit_json(fits: list[tuple[str, StepFit]]) -> dict:
-    """The capacity, and per plan its ``Largest`` sequence length and micro-batch as dicts (bytes as integers)."""
+def fit_json(fits: list[tuple[str, StepFit]], longest: Longest) -> dict:
+    """The capacity, the limits searched, and per plan its ``Largest`` sequence length and micro-batch as dicts
+    (bytes as integers)."""
     return {
         "capacity_bytes": fits[0][1].capacity,
+        "searched": {
+            "tokens": [SHORTEST, longest.tokens],
+            "longest_because": longest.why,
+            "micro_batches": [1, MICRO_BATCHES[-1]],
+        },
         "plans": [
             {
                 "label": label,
