@@ -62,8 +62,35 @@ from thunder_fsdp_mem.training import modes as mode_table
 from thunder_fsdp_mem.training import runtime
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help (where it has one); the modes' list as written."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _modes_help() -> str:
+    width = max(map(len, mode_table.WHAT_EACH_RUNS))
+    lines = [f"  {mode:<{width}}  {what}" for mode, what in mode_table.WHAT_EACH_RUNS.items()]
+    return "\n".join(
+        [
+            "modes (--modes all: every one that runs at --nproc-per-node on --device):",
+            *lines,
+            "",
+            "a mode's own options, after @ (several allowed): ex=default|default+cat|fused (Thunder's executors),",
+            "loss=eager|trace|liger|cce; +mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
+            "fold=0|1, fr=0|1 (fusion rematerialize), chunk=0|1, budget=60GB; torch.compile modes: amb=0..1",
+            "(activation_memory_budget). e.g. --modes fsdp2-inductor,fsdp2-thunder+mem@budget=60GB,inductor@amb=0.5",
+        ]
+    )
+
+
 def parser() -> argparse.ArgumentParser:
-    p = UsageParser(description="Peak memory and step time of every FSDP mode, side by side.")
+    p = UsageParser(
+        description="Peak memory and step time of every FSDP mode, side by side.",
+        epilog=_modes_help(),
+        formatter_class=_Help,
+    )
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks (GPUs) per mode; 1 adds the single-GPU rows")
     p.add_argument("--model", default="stablecode-completion-alpha-3b", help="litgpt configuration name")
     p.add_argument("--n-layers", type=int, default=None, help="override the number of blocks")
@@ -116,8 +143,7 @@ def parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=3600,
-        help="seconds a mode may take, compilation included, before its processes are ended and its row "
-        "says so (default 3600)",
+        help="seconds a mode may take, compilation included, before its processes are ended and its row says so",
     )
     p.add_argument("--worker", metavar="MODE", help=argparse.SUPPRESS)
     p.add_argument("--turn-lock", metavar="PATH", help=argparse.SUPPRESS)

@@ -190,3 +190,15 @@ def test_an_oom_row_keeps_the_most_any_rank_held():
     assert (row["status"], row["allocated_at_oom_bytes"], row["reserved_at_oom_bytes"]) == ("OOM", 75, 80)
     cpu = {"status": "OOM", "estimated_peak_bytes": 70}
     assert "allocated_at_oom_bytes" not in merge("thunder", [cpu, cpu])
+
+
+def test_help_lists_every_mode_with_what_it_runs_and_each_default():
+    from benchmarks.compare import parser
+    from thunder_fsdp_mem.training.modes import valid_modes
+
+    text = parser().format_help()
+    for mode in valid_modes(1):  # every mode, the one-device ones included
+        assert any(line.split()[:1] == [mode] and len(line.split()) > 1 for line in text.splitlines()), mode
+    for option, default in (("--steps", "10"), ("--block-size", "8192"), ("--executors", "default+cat")):
+        help_of = text[text.index(f"  {option}") :].split("\n  --")[0]
+        assert f"(default: {default})" in " ".join(help_of.split()), option

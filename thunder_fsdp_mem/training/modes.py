@@ -34,6 +34,20 @@ DISTRIBUTED_MODES = (
     "fsdp1-inductor",
 )
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "inductor+ckpt", "eager")
+WHAT_EACH_RUNS = {  # what ``benchmarks/compare.py --help`` says of each mode
+    "thunder-fsdp": "thunder.jit under Thunder's fsdp (thunder.distributed.fsdp)",
+    "thunder-fsdp+mem": "the same with FSDPMemoryTransform",
+    "fsdp2-thunder": "FSDP2 (fully_shard per block) compiled by ThunderFX (ThunderCompiler)",
+    "fsdp2-thunder+mem": "the same with FSDPMemoryTransform in ThunderCompiler's transforms",
+    "fsdp2-inductor": "FSDP2 compiled by torch.compile (Inductor): the baseline of the distributed rows",
+    "fsdp2-eager": "FSDP2 without compilation",
+    "fsdp1-inductor": "FSDP1 (FullyShardedDataParallel) compiled by torch.compile (CUDA only)",
+    "thunder": "thunder.jit on one device (--nproc-per-node 1)",
+    "thunder+mem": "the same with FSDPMemoryTransform (--nproc-per-node 1)",
+    "inductor": "torch.compile on one device: the baseline of the one-device rows (--nproc-per-node 1)",
+    "inductor+ckpt": "torch.compile with every block checkpointed (--nproc-per-node 1)",
+    "eager": "no compilation, one device (--nproc-per-node 1)",
+}
 CUDA_ONLY = frozenset({"fsdp1-inductor"})
 COMPILES_AHEAD = frozenset({"thunder-fsdp", "thunder-fsdp+mem", "thunder", "thunder+mem"})  # Trainer.precompile
 BASELINES = ("fsdp2-inductor", "inductor")  # torch.compile's rows: what the other rows are measured against
