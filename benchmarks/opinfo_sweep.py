@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write every outcome as JSON here")
     p.add_argument("--log", type=Path, default=None, help="append each outcome here as a JSON line as it comes")
     args = p.parse_args(argv)
-    names = args.ops or [o.name for o in _opinfos()]
+    names = list(dict.fromkeys(args.ops or [o.name for o in _opinfos()]))  # two OpInfos share a name
     jobs = [
         (names[i :: args.jobs], args.dtypes, args.device, args.executors, tuple(args.lengths), args.log)
         for i in range(args.jobs)

@@ -119,33 +119,33 @@ class Provenance:
         self.origins: dict[str, Origin] = dict(inherited or {})
         self.gradients = dict(gradients or {})
         self.params: dict[str, str] = {}  # trace name -> parameter qualified name (gathered ones too)
-        self.reads: dict[str, list[int]] = {}  # module (and each of its parents) -> indices that read its parameters
+        self.reads: dict[str, list[float]] = {}  # module (and each of its parents) -> indices that read its parameters
         self.head: str | None = None  # the language-model head, once an op visited has read its weight
         self._read_positions(trace)
 
     def visit(self, index: int, bsym) -> None:
         """Find the origins of what ``bsym``, the trace's ``index``-th symbol, makes (a fusion's, op by op)."""
-        if bsym.sym.is_fusion:
-            for sub in bsym.subsymbols:
-                self._place(index, sub, bsym)
-        else:
-            self._place(index, bsym, bsym)
+        for at, op in _ops(index, bsym):
+            self._place(at, op)
 
     def of(self, name: str) -> Origin | None:
         return self.origins.get(name)
 
     def _read_positions(self, trace) -> None:
+        """Where the trace reads each module's parameters: a fusion's ops at positions within it, in order, so
+        that a fusion spanning two blocks places each op by the block it reads nearest."""
         for i, bsym in enumerate(trace.bound_symbols):
             if bsym.sym.name in _NO_CODE or bsym.sym.name.startswith("unpack"):
                 continue
-            read = self._parameters_read(bsym)
-            if read and self._moves(bsym):  # a gathered parameter (or a view of one) is the parameter
-                for out in bsym.flat_proxy_outs:
-                    self.params[out.name] = read[0]
-                continue
-            for q in dict.fromkeys(read):
-                for module in _ancestors(q.rpartition(".")[0]):
-                    self.reads.setdefault(module, []).append(i)
+            for at, op in _ops(i, bsym):
+                read = self._parameters_read(op)
+                if read and self._moves(op):  # a gathered parameter (or a view of one) is the parameter
+                    for out in op.flat_proxy_outs:
+                        self.params[out.name] = read[0]
+                    continue
+                for q in dict.fromkeys(read):
+                    for module in _ancestors(q.rpartition(".")[0]):
+                        self.reads.setdefault(module, []).append(at)
 
     def _moves(self, bsym) -> bool:
         """Whether ``bsym`` only gathers, waits for, reshapes or casts a parameter: no module's code runs there
@@ -162,20 +162,21 @@ class Provenance:
                 out.append(q)
         return out
 
-    def _place(self, index: int, op, bsym) -> None:
+    def _place(self, index: float, op) -> None:
         outs = [o.name for o in op.flat_proxy_outs if o.name not in self.origins]
         if not outs:
             return
         name = op.sym.name
         origin = self._origin(index, op, name) or Origin(None, name, own=False)  # at least the op
-        source = user_line(op)
+        line = op.source_positions.lineno if op.source_positions else None
+        source = f"{op.source_filename}:{line}" if _users(op.source_filename) and line is not None else None
         if source is not None:
             origin = dataclasses.replace(origin, source=source)
         for o in outs:
             parameter = self.gradients.get(o)
             self.origins[o] = Origin(parameter, name, role="gradient", source=source) if parameter else origin
 
-    def _origin(self, index: int, op, name: str) -> Origin | None:
+    def _origin(self, index: float, op, name: str) -> Origin | None:
         sid = sym_id(op)
         read = [self.params[a.name] for a in tensor_args(op) if a.name in self.params]
         if read and self._moves(op):
@@ -207,7 +208,7 @@ class Provenance:
             return Origin(first.module.rpartition(".")[0], name)
         return Origin(first.module, name, own=False)
 
-    def _in_code(self, index: int, op) -> str | None:
+    def _in_code(self, index: float, op) -> str | None:
         """The module whose code holds the op's line, of its class's instances the one read nearest to ``index``."""
         if self.scopes is None:
             return None
@@ -282,6 +283,14 @@ _IN_TRANSIT = frozenset(
 )
 
 
+def _ops(index: int, bsym) -> list[tuple[float, object]]:
+    """The ops of the trace's ``index``-th symbol with their positions: a fusion's, between ``index`` and the next."""
+    if not bsym.sym.is_fusion:
+        return [(index, bsym)]
+    n = len(bsym.subsymbols)
+    return [(index + (k + 1) / (n + 1), sub) for k, sub in enumerate(bsym.subsymbols)]
+
+
 def _ancestors(module: str) -> list[str]:
     parts = module.split(".") if module else []
     return ["", *(".".join(parts[: i + 1]) for i in range(len(parts)))]
@@ -295,9 +304,9 @@ def is_head(module: str) -> bool:
     return module == HEAD or module.endswith("." + HEAD)
 
 
-def _distance(positions: list[int], index: int) -> int:
+def _distance(positions: list[float], index: float) -> float:
     if not positions:
-        return 1 << 62
+        return float("inf")
     at = bisect.bisect_left(positions, index)
     near = [positions[j] for j in (at - 1, at) if 0 <= j < len(positions)]
     return min(abs(p - index) for p in near)
