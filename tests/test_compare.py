@@ -202,3 +202,45 @@ def test_help_lists_every_mode_with_what_it_runs_and_each_default():
     for option, default in (("--steps", "10"), ("--block-size", "8192"), ("--executors", "default+cat")):
         help_of = text[text.index(f"  {option}") :].split("\n  --")[0]
         assert f"(default: {default})" in " ".join(help_of.split()), option
+
+
+def test_the_summary_table_never_shortens_a_figure():
+    # compare's summary is a Markdown table: cells are written whole, whatever the terminal's width (it wraps
+    # lines; nothing is cut with an ellipsis), each figure in its unit
+    from benchmarks.compare_table import row, table
+
+    rows = [
+        row(
+            "fsdp2-inductor",
+            status="ok",
+            peak_bytes=22_020_096_000,
+            reserved_bytes=25_812_000_000,
+            alloc_retries=0,
+            step_ms=154.2,
+            tokens_per_s=53099.4,
+        ),
+        row(
+            "fsdp2-thunder+mem@ex=fused@budget=16.5GiB",
+            status="ok",
+            peak_bytes=13_979_000_000,
+            reserved_bytes=17_459_000_000,
+            alloc_retries=3,
+            step_ms=182.0,
+            tokens_per_s=45058.0,
+            estimated_peak_bytes=13_900_000_000,
+        ),
+    ]
+    text = table(rows)
+    assert "…" not in text
+    for figure in (
+        "20.51 GiB",
+        "24.04 GiB",
+        "13.02 GiB",
+        "16.26 GiB",
+        "12.95 GiB",
+        "0.63x",
+        "182 ms",
+        "45058",
+        "-0.6%",
+    ):
+        assert f" {figure} |" in text, figure

@@ -1,0 +1,141 @@
+"""Thunder's own test files with ``FSDPMemoryTransform()`` in every ``thunder.jit`` and ThunderFX compile, against
+the same files without it: does any test change its outcome, and does the transform ever warn or raise?
+
+    python -m benchmarks.thunder_suite [--files test_networks test_grad ...] [--jobs 2] [-k EXPR] [--out suite.json]
+
+Each run is one ``pytest --pyargs thunder.tests.<file> ...`` (``--jobs`` pytest-xdist workers, each file on one),
+its outcomes read from its JUnit XML; the run with the transform loads ``benchmarks/thunder_suite_plugin.py``,
+which adds it and records what it did. It prints the per-test differences (a test that passed without the
+transform and failed with it, or the other way), the counts of each run, how many compilations took the transform
+and every warning or exception of the transform; the exit code is 1 if an outcome changed or the transform raised.
+Thunder's test files import test-only packages: ``pip install -e '.[sweep]'``. On CPU (no GPU), the CUDA tests
+skip themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("test_networks", "test_grad", "test_transforms", "test_dynamo", "test_autocast", "test_jit_general")
+
+
+def run_files(files: list[str], *, ours: bool, jobs: int, keyword: str | None, workdir: Path) -> tuple[dict, dict]:
+    """(test id -> outcome, what the plugin recorded) of one pytest run over Thunder's ``files``."""
+    xml = workdir / ("with.xml" if ours else "without.xml")
+    record = workdir / ("record-with" if ours else "record-without")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        str(xml),
+        "-o",
+        "junit_family=xunit1",
+        "--pyargs",
+        *(f"thunder.tests.{f}" for f in files),
+    ]
+    if jobs > 1:
+        cmd += ["-n", str(jobs), "--dist", "loadfile"]
+    if keyword:
+        cmd += ["-k", keyword]
+    if ours:
+        cmd += ["-p", "benchmarks.thunder_suite_plugin"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        THUNDER_SUITE_RECORD=str(record),
+    )
+    subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return outcomes(xml), _merged(workdir, record.name)
+
+
+def outcomes(xml: Path) -> dict[str, str]:
+    """Test id (``classname::name``) -> passed, failed, error or skipped, from a JUnit XML report."""
+    if not xml.exists():
+        return {}
+    out = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        kinds = [child.tag for child in case]
+        outcome = next((k for k in ("error", "failure", "skipped") if k in kinds), "passed")
+        out[f"{case.get('classname')}::{case.get('name')}"] = {"failure": "failed"}.get(outcome, outcome)
+    return out
+
+
+def _merged(workdir: Path, prefix: str) -> dict:
+    merged = {"jitted": 0, "transformed": 0, "warnings": [], "raised": []}
+    for path in workdir.glob(prefix + ".*"):
+        part = json.loads(path.read_text())
+        for key in merged:
+            merged[key] += part[key]
+    return merged
+
+
+def compare(without: dict[str, str], with_: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(test, outcome without, outcome with) for every test whose outcome differs (or that ran in one run only)."""
+    return [
+        (test, without.get(test, "absent"), with_.get(test, "absent"))
+        for test in sorted(set(without) | set(with_))
+        if without.get(test) != with_.get(test)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", nargs="+", default=list(FILES), help=f"Thunder's test files (default: {' '.join(FILES)})")
+    p.add_argument("--jobs", type=int, default=2, help="pytest-xdist workers per run (default 2)")
+    p.add_argument("-k", dest="keyword", default=None, help="pytest's -k expression, to run a part (default: all)")
+    p.add_argument("--out", type=Path, default=None, help="write both runs' outcomes and the record as JSON here")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        without, _ = run_files(args.files, ours=False, jobs=args.jobs, keyword=args.keyword, workdir=workdir)
+        with_, record = run_files(args.files, ours=True, jobs=args.jobs, keyword=args.keyword, workdir=workdir)
+    changed = compare(without, with_)
+    for test, before, after in changed:
+        print(f"changed: {test}: {before} without the transform, {after} with it")
+    for label, found in (("without the transform", without), ("with it", with_)):
+        counts = Counter(found.values())
+        print(
+            f"{label}: {len(found)} tests, "
+            + ", ".join(f"{counts.get(k, 0)} {k}" for k in ("passed", "failed", "error", "skipped"))
+        )
+    print(
+        f"the transform: added to {record['jitted']} compilations, ran {record['transformed']} times, "
+        f"{len(record['warnings'])} warnings, {len(record['raised'])} exceptions"
+    )
+    for w in record["warnings"]:
+        print(f"warning: {w['test']}: {w['message']}")
+    for e in record["raised"]:
+        print(f"raised: {e['test']}: {e['error']}")
+    print(f"{len(changed)} outcomes changed")
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "files": args.files,
+                    "keyword": args.keyword,
+                    "without": without,
+                    "with": with_,
+                    "record": record,
+                    "changed": changed,
+                },
+                indent=1,
+            )
+        )
+    return 1 if changed or record["raised"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
