@@ -16,11 +16,16 @@ from thunder_fsdp_mem.report import pattern_name
             "block [0,2,4,6,...].norm_[1-2].weight",
         ),
         (["block 7.attn.proj.weight (shard)"], "block 7.attn.proj.weight (shard)"),
-        # a trace's own names carry no layer; names that differ in more than numbers: the first, and how many more
+        # a trace's own names carry no layer; names that differ in one word: its variants; in more: the first and
+        # how many more
         (["t813", "t802"], "t813"),
         (
-            ["AdamW exp_avg of block 0.mlp.fc.weight", "AdamW exp_avg_sq of block 0.mlp.fc.weight"],
-            "AdamW exp_avg of block 0.mlp.fc.weight and 1 more",
+            [f"AdamW {k} of block {i}.mlp.fc.weight" for i in (0, 1) for k in ("exp_avg", "exp_avg_sq")],
+            "AdamW exp_avg/exp_avg_sq of block [0-1].mlp.fc.weight",
+        ),
+        (
+            ["AdamW exp_avg of lm_head.weight", "AdamW exp_avg of wte.weight", "AdamW exp_avg_sq of wte.weight"],
+            "AdamW exp_avg of lm_head.weight and 2 more",
         ),
     ],
 )

@@ -182,14 +182,30 @@ _PROXY = re.compile(r"[a-z]{1,3}\d+")  # a trace's own names (t813, ft2154): the
 
 def pattern_name(names: list[str]) -> str:
     """One name for a group: where the names differ only in numbers, those numbers as ranges
-    (``block [0-31].mlp.fc.weight (gathered)``); where they differ in more, the first and how many more
-    (``AdamW exp_avg of lm_head.weight and 3 more``); for a trace's own names, the first."""
-    parts = [re.split(r"(\d+)", name) for name in names]
-    first = parts[0]
+    (``block [0-31].mlp.fc.weight (gathered)``); where they also differ in one word, its variants joined by ``/``
+    (``AdamW exp_avg/exp_avg_sq of transformer.h.[0-11].mlp.fc.weight``); where they differ in more, the first and
+    how many more (``AdamW exp_avg of lm_head.weight and 3 more``); for a trace's own names, the first."""
     if _PROXY.fullmatch(names[0]):
         return names[0]
+    ranged = _ranged(names)
+    if ranged is not None:
+        return ranged
+    words = [name.split(" ") for name in names]
+    differing = [i for i in range(len(words[0])) if len({re.sub(r"\d+", "#", w[i]) for w in words}) > 1]
+    if all(len(w) == len(words[0]) for w in words) and len(differing) == 1:
+        (k,) = differing
+        ranged = _ranged([" ".join([*w[:k], "\0", *w[k + 1 :]]) for w in words])
+        if ranged is not None:
+            return ranged.replace("\0", "/".join(dict.fromkeys(w[k] for w in words)))
+    return f"{names[0]} and {len(names) - 1} more"
+
+
+def _ranged(names: list[str]) -> str | None:
+    """The names as one, their differing numbers as ranges; None where they differ in more than numbers."""
+    parts = [re.split(r"(\d+)", name) for name in names]
+    first = parts[0]
     if any(len(p) != len(first) or p[0::2] != first[0::2] for p in parts):
-        return f"{names[0]} and {len(names) - 1} more"
+        return None
     out = []
     for i, piece in enumerate(first):
         values = sorted({int(p[i]) for p in parts}) if i % 2 else []
