@@ -62,14 +62,17 @@ def run_files(files: list[str], *, ours: bool, jobs: int, keyword: str | None, w
 
 
 def outcomes(xml: Path) -> dict[str, str]:
-    """Test id (``classname::name``) -> passed, failed, error or skipped, from a JUnit XML report."""
+    """Test id (``classname::name``, or ``file::name``) -> passed, failed, error or skipped, from a JUnit XML
+    report."""
     if not xml.exists():
         return {}
     out = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
         kinds = [child.tag for child in case]
         outcome = next((k for k in ("error", "failure", "skipped") if k in kinds), "passed")
-        out[f"{case.get('classname')}::{case.get('name')}"] = {"failure": "failed"}.get(outcome, outcome)
+        # --pyargs runs leave the class name empty: the file tells, from the package on
+        where = (case.get("classname") or case.get("file") or "").rpartition("site-packages/")[2]
+        out[f"{where}::{case.get('name')}"] = {"failure": "failed"}.get(outcome, outcome)
     return out
 
 

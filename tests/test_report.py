@@ -27,6 +27,7 @@ from thunder_fsdp_mem.report import pattern_name
             ["AdamW exp_avg of lm_head.weight", "AdamW exp_avg of wte.weight", "AdamW exp_avg_sq of wte.weight"],
             "AdamW exp_avg of lm_head.weight and 2 more",
         ),
+        (["transformer.h.0: add", "add after transformer.h.0"], "transformer.h.0: add and 1 more"),
     ],
 )
 def test_pattern_name(names, expected):

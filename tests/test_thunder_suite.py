@@ -11,6 +11,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="thunder.tests.test_a" name="test_bad"><failure message="x" /></testcase>
 <testcase classname="thunder.tests.test_a" name="test_cuda"><skipped message="no cuda" /></testcase>
 <testcase classname="thunder.tests.test_a" name="test_broken"><error message="fixture" /></testcase>
+<testcase classname="" file="thunder/tests/test_b.py" name="test_ok" />
 </testsuite></testsuites>"""
 
 
@@ -22,6 +23,7 @@ def test_outcomes_from_a_junit_report(tmp_path):
         "thunder.tests.test_a::test_bad": "failed",
         "thunder.tests.test_a::test_cuda": "skipped",
         "thunder.tests.test_a::test_broken": "error",
+        "thunder/tests/test_b.py::test_ok": "passed",  # a --pyargs run: no class name, the file tells
     }
     assert outcomes(tmp_path / "missing.xml") == {}
 

@@ -191,8 +191,9 @@ def pattern_name(names: list[str]) -> str:
     if ranged is not None:
         return ranged
     words = [name.split(" ") for name in names]
-    differing = [i for i in range(len(words[0])) if len({re.sub(r"\d+", "#", w[i]) for w in words}) > 1]
-    if all(len(w) == len(words[0]) for w in words) and len(differing) == 1:
+    alike = all(len(w) == len(words[0]) for w in words)
+    differing = [i for i in range(len(words[0])) if alike and len({re.sub(r"\d+", "#", w[i]) for w in words}) > 1]
+    if alike and len(differing) == 1:
         (k,) = differing
         ranged = _ranged([" ".join([*w[:k], "\0", *w[k + 1 :]]) for w in words])
         if ranged is not None:
