@@ -69,17 +69,21 @@ def analyze(
     known, to tell which module made each allocation (``Allocation.module``; ThunderFX's names tell it alone).
     ``scopes``, ``origins``, ``gradients``: what else places the allocations in the model (``provenance``: the
     model's code by line, the origins of what the trace receives, the parameters its outputs are gradients of).
+    With none of these nor ``parameter_names`` (what a transform's estimates pass) nothing is named: the walk
+    costs about half as much.
     """
     if not isinstance(trace, TraceCtx):
         raise TypeError(
             f"analyze() expects a Thunder execution trace (thunder.core.trace.TraceCtx), such as "
             f"thunder.last_traces(fn)[-1]; got {type(trace).__name__}"
         )
-    provenance = Provenance(trace, parameter_names, scopes, origins, gradients)
+    named = scopes is not None or bool(parameter_names) or bool(origins) or bool(gradients)
+    provenance = Provenance(trace, parameter_names, scopes, origins, gradients) if named else None
     walk = _Walk(trace, References(dict(inputs or {}), parameter_names), provenance, device_type)
     walk.run()
     _inputs_from_start(walk.refs.records, walk.after, walk.inside)
-    _inputs_placed(walk.refs.records, provenance)
+    if provenance is not None:
+        _inputs_placed(walk.refs.records, provenance)
     _categorize_returned(walk.refs.records, walk.returned, _returned_categories(trace, walk))
     return _timeline(trace, walk)
 
@@ -89,7 +93,7 @@ class _Walk:
     the live bytes after each symbol (``after``) and while it runs (``inside``, its workspace included), the
     storages the trace returns, and which module made each allocation."""
 
-    def __init__(self, trace: TraceCtx, refs: References, provenance: Provenance, device_type: str | None):
+    def __init__(self, trace: TraceCtx, refs: References, provenance: Provenance | None, device_type: str | None):
         self.trace = trace
         self.refs = refs
         self.provenance = provenance
@@ -140,7 +144,8 @@ class _Walk:
                 self.refs.bind(a, root=a.name)
         if sid in (REDUCE_SCATTER, ALL_REDUCE):
             self._collective(bsym, sid)
-        self.provenance.visit(self.refs.index, bsym)
+        if self.provenance is not None:
+            self.provenance.visit(self.refs.index, bsym)
         self._outputs(bsym, effect)
         if sid in WAITS:
             for a in bsym.flat_proxy_args:
@@ -172,7 +177,7 @@ class _Walk:
                 continue
             record = refs.storage_of(out.base) if out.base is not None else None
             if record is None:
-                origin = self.provenance.of(name)
+                origin = self.provenance.of(name) if self.provenance is not None else None
                 source = origin.source if origin is not None and origin.source else user_line(bsym)
                 record = refs.allocate(out.proxy, out.category, bsym.sym.name, source, size=out.nbytes)
                 if origin is not None:
@@ -285,7 +290,7 @@ def _timeline(trace: TraceCtx, walk: _Walk) -> MemoryTimeline:
         outputs=dict(walk.returned),
         symbols=tuple(symbols),
         unknown_symbols=tuple(dict.fromkeys(walk.unknown)),
-        origins=walk.provenance.origins,
+        origins=walk.provenance.origins if walk.provenance is not None else {},
     )
 
 

@@ -201,13 +201,16 @@ def _compose(
     backward = None
     gradient_bytes = 0
     if backward_trace is not None:
+        named = scopes is not None or parameter_names is not None  # a report's estimate: every allocation named
         backward = analyze(
             backward_trace,
             inputs=_saved_specs(forward),
             device_type=device_type,
             parameter_names=parameter_names,
-            origins={**forward.origins, **cotangents(forward_trace, backward_trace, forward.origins)},
-            gradients=gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], parameter_names),
+            origins={**forward.origins, **cotangents(forward_trace, backward_trace, forward.origins)}
+            if named
+            else None,
+            gradients=_gradients(forward_trace, backward_trace, parameter_names) if named else None,
         )
         gradient_bytes = _backward_phases(holdings, forward, backward, backward_trace, persistent, optimizer_step)
     return step_memory(
@@ -219,6 +222,10 @@ def _compose(
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=sum(a.nbytes for a in state),
     )
+
+
+def _gradients(forward_trace, backward_trace, parameter_names) -> dict[str, str]:
+    return gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], parameter_names)
 
 
 def _hold_returned(holdings: Holdings, forward: MemoryTimeline) -> int:
