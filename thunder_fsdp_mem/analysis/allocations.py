@@ -10,8 +10,8 @@ trace's ``bound_symbols``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
 import re
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from thunder_fsdp_mem.analysis.categories import Category
@@ -46,13 +46,12 @@ class Allocation:
     ``start``: the index of the symbol that allocated it (0 for the trace's inputs, which the caller passes);
     ``OUTSIDE`` for an allocation held outside the traces. ``end``: the index where it was freed, None when it
     outlives the trace. ``external``: held by someone other than the trace, which never frees it. ``module``:
-    the model's module whose parameters its symbol reads (a gathered parameter's own name); ``after``: where it
-    reads none, the module whose output its input comes from, the nearest before it; None where the trace does not
-    tell. ``op``: the op that computed it (inside a fusion, the fused op, not the fusion); ``role``: ``logits``,
-    ``loss`` (computed from the logits outside the model), ``gradient`` (of the parameter ``module``) or
-    ``parameter`` (the parameter ``module``: a trace's input, or gathered, reshaped or cast), ``cotangent`` (the
-    gradient of the forward's ``op``, as a backward receives it); see
-    ``provenance``."""
+    the model's module whose op made it (for a gradient or a parameter, the parameter); ``after``: where no module
+    owns the op, the module whose output it reads; ``op``: the op that computed it (inside a fusion, the fused op,
+    not the fusion); ``role``: ``logits``, ``loss`` (computed from the logits outside the model), ``gradient`` (of
+    the parameter ``module``), ``parameter`` (the parameter ``module``: a trace's input, or gathered, reshaped or
+    cast), ``cotangent`` (the gradient of the forward's ``op``, as a backward receives it). None where the trace
+    does not tell; ``provenance`` finds them."""
 
     name: str
     nbytes: int

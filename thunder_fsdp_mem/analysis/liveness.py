@@ -79,7 +79,7 @@ def analyze(
         )
     named = scopes is not None or bool(parameter_names) or bool(origins) or bool(gradients)
     provenance = Provenance(trace, parameter_names, scopes, origins, gradients) if named else None
-    walk = _Walk(trace, References(dict(inputs or {}), parameter_names), provenance, device_type)
+    walk = _Walk(trace, References(dict(inputs or {})), provenance, device_type)
     walk.run()
     _inputs_from_start(walk.refs.records, walk.after, walk.inside)
     if provenance is not None:

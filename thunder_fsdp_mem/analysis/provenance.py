@@ -168,8 +168,7 @@ class Provenance:
             return
         name = op.sym.name
         origin = self._origin(index, op, name) or Origin(None, name, own=False)  # at least the op
-        line = op.source_positions.lineno if op.source_positions else None
-        source = f"{op.source_filename}:{line}" if _users(op.source_filename) and line is not None else None
+        source = _line_of(op)
         if source is not None:
             origin = dataclasses.replace(origin, source=source)
         for o in outs:
@@ -339,8 +338,12 @@ def _users(filename: str | None) -> bool:
 def user_line(bsym) -> str | None:
     """``file:line`` of the first line Thunder recorded for ``bsym`` (or, for a fusion, its ops) outside Thunder's
     own code; None where there is none."""
-    for candidate in (bsym, *bsym.subsymbols):
-        if _users(candidate.source_filename):
-            line = candidate.source_positions.lineno if candidate.source_positions else None
-            return f"{candidate.source_filename}:{line}" if line is not None else candidate.source_filename
-    return None
+    return next((line for line in map(_line_of, (bsym, *bsym.subsymbols)) if line is not None), None)
+
+
+def _line_of(op) -> str | None:
+    """``file:line`` Thunder recorded for ``op`` itself, where it is not in Thunder's own code."""
+    if not _users(op.source_filename):
+        return None
+    line = op.source_positions.lineno if op.source_positions else None
+    return f"{op.source_filename}:{line}" if line is not None else op.source_filename

@@ -1,6 +1,6 @@
 """Python's reference counting over a trace's names: the model ``liveness.analyze`` walks a trace with.
 
-Entry point: ``References(inputs, parameter_names)``, which the walk drives: ``bind`` and ``unpack`` (a name the
+Entry point: ``References(inputs)``, which the walk drives: ``bind`` and ``unpack`` (a name the
 trace receives), ``allocate`` and ``add_tensor`` (what an op makes), ``incref`` / ``decref`` / ``drop`` (a name
 bound, released or deleted), ``clear`` (a collection emptied), ``keep`` (a name the trace returns).
 
@@ -21,7 +21,7 @@ from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
 from thunder_fsdp_mem.analysis import layout
 from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, parameter_path, shape
+from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, shape
 
 _OWNED_COLLECTIONS = ("saved_for_backward", "cotangents")
 
@@ -52,13 +52,10 @@ class Record:
 class References:
     """The objects of one trace (tensors and collections, by index) with their reference counts, the names bound
     to them, and the storages (``records``) the tensors hold, with theirs; ``live``: the bytes of the storages
-    alive; ``strides``: the layout of each tensor, by name; ``parameters``: the model's parameters among the
-    tensors, by name (their qualified names)."""
+    alive; ``strides``: the layout of each tensor, by name."""
 
-    def __init__(self, inputs: Mapping[str, InputSpec], parameter_names: Mapping[str, str] | None = None):
+    def __init__(self, inputs: Mapping[str, InputSpec]):
         self.inputs = inputs
-        self.parameter_names = parameter_names
-        self.parameters: dict[str, str] = {}
         self.object_of: dict[str, int] = {}
         self.records: list[Record] = []
         self.strides: dict[str, layout.Strides] = {}
@@ -174,9 +171,6 @@ class References:
             self.bind(out, root=out.name)
 
     def _input_tensor(self, t, *, in_collection: bool, root: str) -> int:
-        path = parameter_path(t.name, self.parameter_names)
-        if path is not None:
-            self.parameters[t.name] = path
         spec = self.inputs.get(t.name) or default_spec(t.name, in_collection, root)
         record = self._record_of_key.get(spec.storage)
         if record is None:
