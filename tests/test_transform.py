@@ -240,3 +240,14 @@ def test_the_summary_is_short_by_default_and_whole_with_details():
     ]
     details = transform.summary(details=True).splitlines()
     assert len(details) == 1 + 4 + 5 and details[1] == "pair 0:" and "nothing to change" in details[2]
+
+
+def test_repr_makes_the_transform_again_from_nothing():
+    # ThunderFX's reproducer scripts write each transform as its repr under `import thunder` alone (Thunder's own
+    # test_dynamo reproducer tests failed with the transform in ThunderCompiler until the repr imported its package)
+    from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+
+    config = MemoryConfig(memory_budget=60 * 10**9, fold_casts=False, strict=True)
+    again = eval(repr(FSDPMemoryTransform(config)), {})  # noqa: S307 - the point of the test
+    assert type(again).__name__ == "FSDPMemoryTransform" and again.config == config
+    assert eval(repr(FSDPMemoryTransform()), {}).config == MemoryConfig()

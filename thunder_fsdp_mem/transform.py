@@ -12,6 +12,8 @@ fills in, before Thunder turns either into Python.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 import warnings
 
@@ -191,7 +193,16 @@ class FSDPMemoryTransform(Transform):
         warnings.warn(message, stacklevel=4)
 
     def __repr__(self) -> str:
-        return f"FSDPMemoryTransform({self.config})"
+        """An expression that makes this transform again with nothing but Python (ThunderFX's reproducer scripts
+        write each transform of ``thunder.jit`` as its repr, under ``import thunder`` alone): the configuration's
+        fields that differ from their defaults."""
+        changed = ", ".join(
+            f"{f.name}={getattr(self.config, f.name)!r}"
+            for f in dataclasses.fields(self.config)
+            if getattr(self.config, f.name) != f.default
+        )
+        package = '__import__("thunder_fsdp_mem")'
+        return f"{package}.FSDPMemoryTransform({package}.MemoryConfig({changed}))"
 
 
 def _short(r: Rewrite) -> str:
