@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import re
 import sys
 
+from thunder_fsdp_mem.analysis.allocations import is_trace_name
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict.emulate import trace_step
@@ -31,7 +31,6 @@ from thunder_fsdp_mem.training import models
 
 MODELS = ("pythia-14m", "stablecode-completion-alpha-3b", "Qwen2.5-0.5B", "phi-2", "falcon-7b")
 MODES = ("jit", "thunder-fsdp", "fsdp2")
-BARE = re.compile(r"[a-z_]{1,4}\d+")
 
 
 def check(spec: models.ModelSpec, mode: str, executors: str) -> tuple[int, list[str]]:
@@ -61,7 +60,7 @@ def check(spec: models.ModelSpec, mode: str, executors: str) -> tuple[int, list[
 
 def _broken(a, modules: dict, parameters: set[str], spec: models.ModelSpec) -> str | None:
     label = a.label
-    if BARE.fullmatch(label):
+    if is_trace_name(label):
         return "a bare trace name"
     if a.role == "logits" and label.startswith("logits ("):
         if a.shape[-1:] != (spec.config().padded_vocab_size,):

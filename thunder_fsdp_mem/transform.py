@@ -13,7 +13,6 @@ fills in, before Thunder turns either into Python.
 from __future__ import annotations
 
 import dataclasses
-
 import time
 import warnings
 

@@ -34,7 +34,14 @@ class InputSpec:
 
 
 _HEAD_OPS = frozenset({"linear", "matmul"})
-_PROXY = re.compile(r"[a-z_]{1,4}\d+")  # a name Thunder made up (t521, t_2, bw_t3)
+_TRACE_NAME = re.compile(r"[a-z_]{1,4}\d+")
+
+
+def is_trace_name(name: str) -> bool:
+    """Whether ``name`` is one Thunder made up for a proxy (``t521``, ``ft2154``, ``bw_t3``): it tells no reader
+    anything, and its number is no layer's."""
+    return _TRACE_NAME.fullmatch(name) is not None
+
 
 OUTSIDE = -1  # the ``start`` of an allocation held outside the traces (parameters, optimizer state, FSDP2's buffers)
 
@@ -94,7 +101,7 @@ class Allocation:
             return f"{self.module or 'model'}: {op}"
         if self.after is not None:
             return f"{op} after {self.after or 'model'}"
-        if _PROXY.fullmatch(self.name) and op not in ("", "input"):
+        if is_trace_name(self.name) and op not in ("", "input"):
             return f"{self.dtype} ({', '.join(map(str, self.shape))}) {op}"
         return self.name
 

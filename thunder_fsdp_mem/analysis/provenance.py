@@ -258,6 +258,15 @@ def cotangents(forward, backward, origins: Mapping[str, Origin]) -> dict[str, Or
     return out
 
 
+def backward_names(forward, backward, forward_origins: Mapping[str, Origin], parameters: Mapping[str, str] | None):
+    """What ``analyze`` of a backward is given to name its allocations: ``origins`` (the forward's, and its
+    cotangents') and ``gradients`` (``gradients``), as keyword arguments."""
+    return {
+        "origins": {**forward_origins, **cotangents(forward, backward, forward_origins)},
+        "gradients": gradients(backward, [getattr(a, "name", "") for a in forward.args], parameters),
+    }
+
+
 _MOVES = frozenset({ALL_GATHER, *WAITS})
 _SHAPES = frozenset(
     {

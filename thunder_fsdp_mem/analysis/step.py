@@ -56,7 +56,7 @@ from thunder_fsdp_mem.analysis.optimizer import (
     optimizer_step_allocation,
     parameter_order,
 )
-from thunder_fsdp_mem.analysis.provenance import Scopes, cotangents, gradients, scopes_of
+from thunder_fsdp_mem.analysis.provenance import Scopes, backward_names, scopes_of
 from thunder_fsdp_mem.analysis.phases import Phase, Stage, StepMemory, Timeline, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
 
@@ -207,10 +207,7 @@ def _compose(
             inputs=_saved_specs(forward),
             device_type=device_type,
             parameter_names=parameter_names,
-            origins={**forward.origins, **cotangents(forward_trace, backward_trace, forward.origins)}
-            if named
-            else None,
-            gradients=_gradients(forward_trace, backward_trace, parameter_names) if named else None,
+            **(backward_names(forward_trace, backward_trace, forward.origins, parameter_names) if named else {}),
         )
         gradient_bytes = _backward_phases(holdings, forward, backward, backward_trace, persistent, optimizer_step)
     return step_memory(
@@ -222,10 +219,6 @@ def _compose(
         gradient_bytes=gradient_bytes,
         optimizer_state_bytes=sum(a.nbytes for a in state),
     )
-
-
-def _gradients(forward_trace, backward_trace, parameter_names) -> dict[str, str]:
-    return gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], parameter_names)
 
 
 def _hold_returned(holdings: Holdings, forward: MemoryTimeline) -> int:

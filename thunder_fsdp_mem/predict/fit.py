@@ -40,15 +40,7 @@ def longest_for(configured: int | None, block_size: int) -> Longest:
         tokens, why = configured, "the model's configured block size"
     if tokens >= LONGEST:
         return Longest(LONGEST, f"{LONGEST} tokens, the most the CLI takes")
-    return Longest(_power_below(tokens), why)
-
-
-def _power_below(tokens: int) -> int:
-    """The largest candidate length (a power of two from ``SHORTEST``) not above ``tokens``."""
-    out = SHORTEST
-    while out * 2 <= tokens:
-        out *= 2
-    return out
+    return Longest(sequence_lengths(tokens)[-1], why)
 
 
 @dataclass(frozen=True, slots=True)

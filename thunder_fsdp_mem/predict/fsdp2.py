@@ -53,6 +53,7 @@ from litgpt import GPT
 from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation
+from thunder_fsdp_mem.analysis.provenance import is_head
 from thunder_fsdp_mem.analysis.step import (
     Holder,
     Holdings,
@@ -66,7 +67,6 @@ from thunder_fsdp_mem.analysis.step import (
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.analysis.provenance import is_head
 from thunder_fsdp_mem.predict.fsdp2_units import (
     AUTOGRAD,
     CALLER,

@@ -25,7 +25,7 @@ from thunder.dynamo import ThunderCompiler
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import InputSpec, MemoryTimeline, analyze
-from thunder_fsdp_mem.analysis.provenance import cotangents, gradients, scopes_of
+from thunder_fsdp_mem.analysis.provenance import backward_names, scopes_of
 from thunder_fsdp_mem.analysis.symbols import proxy_names
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
@@ -78,8 +78,7 @@ def trace_blocks(
         backward_trace,
         inputs=_backward_specs(forward),
         device_type=device_type,
-        origins={**forward.origins, **cotangents(forward_trace, backward_trace, forward.origins)},
-        gradients=gradients(backward_trace, [getattr(a, "name", "") for a in forward_trace.args], None),
+        **backward_names(forward_trace, backward_trace, forward.origins, None),
     )
     return BlockTraces(forward, backward, activation, output, saved)
 

@@ -14,6 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from thunder_fsdp_mem.analysis.allocations import is_trace_name
 from thunder_fsdp_mem.analysis.allocator import Reserved, replay_step
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.step import StepMemory
@@ -177,15 +178,12 @@ def _plan(label: str, step: StepMemory, top: int, caching: bool = False, memory_
     return Plan(label, step, by_category, tuple(rows[:top]), reserved)
 
 
-_PROXY = re.compile(r"[a-z]{1,3}\d+")  # a trace's own names (t813, ft2154): their numbers are no layer's
-
-
 def pattern_name(names: list[str]) -> str:
     """One name for a group: where the names differ only in numbers, those numbers as ranges
     (``block [0-31].mlp.fc.weight (gathered)``); where they also differ in one word, its variants joined by ``/``
     (``AdamW exp_avg/exp_avg_sq of transformer.h.[0-11].mlp.fc.weight``); where they differ in more, the first and
     how many more (``AdamW exp_avg of lm_head.weight and 3 more``); for a trace's own names, the first."""
-    if _PROXY.fullmatch(names[0]):
+    if is_trace_name(names[0]):
         return names[0]
     ranged = _ranged(names)
     if ranged is not None:
