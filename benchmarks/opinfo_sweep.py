@@ -1,7 +1,7 @@
 """Thunder's OpInfos run with and without ``FSDPMemoryTransform``, forward and backward, compared bit for bit.
 
     python -m benchmarks.opinfo_sweep [--device cpu|cuda] [--executors default fused] [--dtypes float32 bf16 f16]
-        [--ops NAME ...] [--lengths 1 3 7 17 33 67] [--jobs N] [--out sweep.json]
+        [--ops NAME ...] [--lengths 1 3 7 17 33 67] [--jobs N] [--out sweep.json] [--log sweep.jsonl [--resume]]
 
 Every OpInfo of ``thunder.tests.opinfos`` (it imports pytest: ``pip install .[test]``), for each dtype
 it supports, for each sample it generates: the op runs inside a pair, its tensor outputs each multiplied by a
@@ -28,6 +28,8 @@ A case counts as
   output.
 
 Prints one line a case that is not ``same`` or ``skipped`` and the counts; ``--out`` writes them as JSON.
+``--log`` appends each outcome as it comes, and ``--resume`` skips the cases that log already holds, so a sweep
+cut short (a 10-minute device call, a session's end) goes on where it stopped; the counts then cover the log.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import os
@@ -246,9 +249,11 @@ def sweep(
     choices: list[str],
     lengths: tuple[int, ...] = (),
     log: Path | None = None,
+    done: frozenset = frozenset(),
 ) -> list[Outcome]:
-    """Every case of the named OpInfos (None: all) in one process, each jitted on its own; each outcome is also
-    appended to ``log`` as a JSON line as soon as it is known (what a run cut short leaves)."""
+    """Every case of the named OpInfos (None: all) in one process, each jitted on its own, but those in ``done``
+    (``_key``s); each outcome is also appended to ``log`` as a JSON line as soon as it is known (what a run cut
+    short leaves)."""
     from thunder.core import devices
 
     warnings.filterwarnings("ignore")
@@ -274,6 +279,8 @@ def sweep(
                 continue
             for index, sample in enumerate(cases):
                 for choice in choices:
+                    if (opinfo.name, dtype_name, index, choice) in done:
+                        continue
                     found += check([Case(opinfo, dtype_name, index, sample)], choice)
                     if log is not None:
                         with log.open("a") as f:
@@ -283,6 +290,21 @@ def sweep(
 
 def _shard(job: tuple) -> list[dict]:
     return [dataclasses.asdict(o) for o in sweep(*job)]
+
+
+def _key(row: dict) -> tuple:
+    return row["op"], row["dtype"], row["sample"], row["executors"]
+
+
+def logged(log: Path) -> list[dict]:
+    """The outcomes a ``--log`` holds, the last of each case (a case run twice counts once)."""
+    rows = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[_key(row)] = row
+    return list(rows.values())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,18 +319,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="processes, each a share of the OpInfos (default 1)")
     p.add_argument("--out", type=Path, default=None, help="write every outcome as JSON here")
     p.add_argument("--log", type=Path, default=None, help="append each outcome here as a JSON line as it comes")
+    p.add_argument("--resume", action="store_true", help="skip the cases --log already holds, and count them")
     args = p.parse_args(argv)
+    if args.resume and args.log is None:
+        p.error("--resume needs --log")
+    before = logged(args.log) if args.resume else []
+    done = frozenset(_key(row) for row in before)
     names = list(dict.fromkeys(args.ops or [o.name for o in _opinfos()]))  # two OpInfos share a name
-    jobs = [
-        (names[i :: args.jobs], args.dtypes, args.device, args.executors, tuple(args.lengths), args.log)
-        for i in range(args.jobs)
-    ]
+    # One OpInfo a task, handed to whichever process is free: a few slow OpInfos do not hold up one share.
+    jobs = [([name], args.dtypes, args.device, args.executors, tuple(args.lengths), args.log, done) for name in names]
     if args.jobs == 1:
-        rows = _shard(jobs[0])
+        rows = [row for job in jobs for row in _shard(job)]
     else:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
             rows = [row for part in pool.map(_shard, jobs) for row in part]
+    asked = set(names), set(args.dtypes), {*args.executors, "-"}
+    rows = [row for row in before if (row["op"], row["dtype"], row["executors"]) in itertools.product(*asked)] + rows
     for row in rows:
         if row["status"] not in ("same", "skipped"):
             print(json.dumps(row))

@@ -3,6 +3,7 @@ lengths where ATen's CPU kernels run their scalar tails, jitted with and without
 for bit; and the same check catching a fold that is wrong there (CPU ``rsqrt``, out of the table, put back)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -46,3 +47,22 @@ def test_bitwise_equal_tells_bits_apart():
     assert not opinfo_sweep.bitwise_equal(a, torch.tensor([1.0, float("nan"), 0.0], dtype=torch.bfloat16))
     assert not opinfo_sweep.bitwise_equal(a, a.float())
     assert dataclasses.is_dataclass(opinfo_sweep.Outcome)
+
+
+def test_resume_runs_only_the_cases_the_log_lacks(tmp_path, capsys):
+    # a log holding every bf16 `neg` case but the last, as a sweep cut short leaves it (one case twice)
+    neg = next(o for o in opinfo_sweep._opinfos() if o.name == "neg")
+    n = len(list(opinfo_sweep.samples(neg, torch.bfloat16, "cpu")))
+    assert n > 2
+    log = tmp_path / "sweep.jsonl"
+    rows = [opinfo_sweep.Outcome("neg", "bf16", i, "default", "same", "logged") for i in [0, *range(n - 1)]]
+    log.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows))
+    assert opinfo_sweep.main(["--ops", "neg", "--dtypes", "bf16", "--log", str(log), "--resume"]) == 0
+    added = [json.loads(line) for line in log.read_text().splitlines()[len(rows) :]]
+    assert [(r["op"], r["sample"], r["status"]) for r in added] == [("neg", n - 1, "same")]
+    assert f"same {n}," in capsys.readouterr().out  # the counts cover the log's cases once each
+
+
+def test_resume_needs_a_log():
+    with pytest.raises(SystemExit):
+        opinfo_sweep.main(["--ops", "neg", "--resume"])
