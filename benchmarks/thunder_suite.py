@@ -6,8 +6,9 @@ the same files without it: does any test change its outcome, and does the transf
 Each run is one ``pytest --pyargs thunder.tests.<file> ...`` (``--jobs`` pytest-xdist workers, each file on one),
 its outcomes read from its JUnit XML; the run with the transform loads ``benchmarks/thunder_suite_plugin.py``,
 which adds it and records what it did. It prints the per-test differences (a test that passed without the
-transform and failed with it, or the other way), the counts of each run, how many compilations took the transform
-and every warning or exception of the transform; the exit code is 1 if an outcome changed or the transform raised.
+transform and failed with it, or the other way, with the failing run's message), the counts of each run, how many
+compilations took the transform and every warning or exception of the transform; the exit code is 1 if an outcome
+changed or the transform raised. ``--out`` keeps, besides, every failure's message and the end of its traceback.
 Thunder's test files import test-only packages: ``pip install -e '.[sweep]'``. On CPU (no GPU), the CUDA tests
 skip themselves.
 """
@@ -28,8 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 FILES = ("test_networks", "test_grad", "test_transforms", "test_dynamo", "test_autocast", "test_jit_general")
 
 
-def run_files(files: list[str], *, ours: bool, jobs: int, keyword: str | None, workdir: Path) -> tuple[dict, dict]:
-    """(test id -> outcome, what the plugin recorded) of one pytest run over Thunder's ``files``."""
+def run_files(
+    files: list[str], *, ours: bool, jobs: int, keyword: str | None, workdir: Path
+) -> tuple[dict, dict, dict]:
+    """(test id -> outcome, test id -> why it failed, what the plugin recorded) of one pytest run over Thunder's
+    ``files``."""
     xml = workdir / ("with.xml" if ours else "without.xml")
     record = workdir / ("record-with" if ours else "record-without")
     cmd = [
@@ -58,22 +62,33 @@ def run_files(files: list[str], *, ours: bool, jobs: int, keyword: str | None, w
         THUNDER_SUITE_RECORD=str(record),
     )
     subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-    return outcomes(xml), _merged(workdir, record.name)
+    return outcomes(xml), failures(xml), _merged(workdir, record.name)
 
 
 def outcomes(xml: Path) -> dict[str, str]:
     """Test id (``classname::name``, or ``file::name``) -> passed, failed, error or skipped, from a JUnit XML
     report."""
+    return {test: outcome for test, outcome, _ in _cases(xml)}
+
+
+def failures(xml: Path) -> dict[str, dict[str, str]]:
+    """Test id -> the message and the end of the traceback of each test that failed or erred, from a JUnit XML
+    report: what a changed outcome is judged by."""
+    return {test: why for test, outcome, why in _cases(xml) if outcome in ("failed", "error")}
+
+
+def _cases(xml: Path):
     if not xml.exists():
-        return {}
-    out = {}
+        return
     for case in ET.parse(xml).getroot().iter("testcase"):
-        kinds = [child.tag for child in case]
-        outcome = next((k for k in ("error", "failure", "skipped") if k in kinds), "passed")
+        found = {child.tag: child for child in case}
+        kind = next((k for k in ("error", "failure", "skipped") if k in found), None)
         # --pyargs runs leave the class name empty: the file tells, from the package on
         where = (case.get("classname") or case.get("file") or "").rpartition("site-packages/")[2]
-        out[f"{where}::{case.get('name')}"] = {"failure": "failed"}.get(outcome, outcome)
-    return out
+        why = {}
+        if kind is not None:
+            why = {"message": (found[kind].get("message") or "")[:500], "tail": (found[kind].text or "")[-2000:]}
+        yield f"{where}::{case.get('name')}", {"failure": "failed", None: "passed"}.get(kind, kind), why
 
 
 def _merged(workdir: Path, prefix: str) -> dict:
@@ -103,11 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        without, _ = run_files(args.files, ours=False, jobs=args.jobs, keyword=args.keyword, workdir=workdir)
-        with_, record = run_files(args.files, ours=True, jobs=args.jobs, keyword=args.keyword, workdir=workdir)
+        without, failed_without, _ = run_files(
+            args.files, ours=False, jobs=args.jobs, keyword=args.keyword, workdir=workdir
+        )
+        with_, failed_with, record = run_files(
+            args.files, ours=True, jobs=args.jobs, keyword=args.keyword, workdir=workdir
+        )
     changed = compare(without, with_)
     for test, before, after in changed:
         print(f"changed: {test}: {before} without the transform, {after} with it")
+        for label, failed in (("without", failed_without), ("with", failed_with)):
+            if test in failed:
+                first = (failed[test]["message"].splitlines() or [""])[0]
+                print(f"  {label} the transform: {first}")
     for label, found in (("without the transform", without), ("with it", with_)):
         counts = Counter(found.values())
         print(
@@ -131,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                     "keyword": args.keyword,
                     "without": without,
                     "with": with_,
+                    "failures": {"without": failed_without, "with": failed_with},
                     "record": record,
                     "changed": changed,
                 },
