@@ -9,7 +9,9 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
+from thunder_fsdp_mem import FSDPMemoryTransform
 from thunder_fsdp_mem.analysis.cost import op_traffic
+from thunder_fsdp_mem.analysis.symbols import is_fusion
 from thunder_fsdp_mem.passes import checks, plan_rewrite, recompute
 
 
@@ -217,3 +219,45 @@ def test_a_segmented_plan_computes_the_same_gradients(chain):
     (loss_s,), grads_s = run(new_forward, new_backward)
     assert torch.equal(loss, loss_s)
     assert len(grads) == 3 and all(torch.equal(a, b) for a, b in zip(grads, grads_s))
+
+
+def _fused(fn, *args, transforms=()):
+    """``fn`` jitted with the fused executors (on CPU, Thunder's torch.compile regions), run forward and backward
+    once: the outputs, the gradients, and the last forward and backward traces."""
+    from thunder_fsdp_mem.training import runtime
+
+    args = [a.detach().clone().requires_grad_() for a in args]
+    jitted = thunder.jit(fn, executors=runtime.executors("fused"), transforms=list(transforms))
+    out = jitted(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, [torch.full_like(o, 0.3) for o in outs])
+    return outs, [a.grad for a in args], thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
+
+
+@pytest.fixture(scope="module")
+def fused_sum():
+    """The OpInfo sweep's float32 ``sum`` sample 0 in its pair: a region computes the sum and its product with the
+    weight; the backward reads the sum, which the cut rebuilds from the (free) input instead of saving it."""
+    args = (torch.randn(4, 4), torch.randn(()))
+    pair = lambda x, w: x.sum() * w  # noqa: E731
+    return _fused(pair, *args), _fused(pair, *args, transforms=[FSDPMemoryTransform()])
+
+
+def test_a_fusion_recomputed_for_a_sum_runs_again_whole_by_its_own_callable(fused_sum):
+    (outs, grads, _, _), (outs_t, grads_t, forward, backward) = fused_sum
+    [region] = [b for b in forward.bound_symbols if is_fusion(b)]
+    again = [b for b in backward.bound_symbols if is_fusion(b) and b.sym.name == region.sym.name]
+    # The same region, outputs and callable: the kernel that added the 16 values in the forward adds them again.
+    assert len(again) == 1 and again[0]._call_ctx == region._call_ctx
+    assert [o.name for o in again[0].flat_proxy_outs] == [o.name for o in region.flat_proxy_outs]
+    assert all(torch.equal(a, b) for a, b in zip((*outs, *grads), (*outs_t, *grads_t)))
+
+
+def test_a_fusion_recomputed_for_elementwise_outputs_runs_only_what_they_need():
+    _, _, forward, _ = _fused(lambda x, w: (torch.exp(x) * w, torch.exp(x)), torch.randn(4, 4), torch.randn(()))
+    [region] = [b for b in forward.bound_symbols if is_fusion(b)]
+    made_by = {b.output.name: b.sym.name for b in region.subsymbols}
+    [exp] = [o for o in region.flat_proxy_outs if made_by[o.name] == "exp"]  # the other is the product
+    pruned = plan_rewrite._what_is_read(region, {exp.name})
+    assert [o.name for o in pruned.flat_proxy_outs] == [exp.name]
+    assert [b.sym.name for b in pruned.subsymbols] == ["exp"] and pruned._call_ctx != region._call_ctx

@@ -95,6 +95,9 @@ ELEMENTWISE_OPS = frozenset(
         "bitwise_or",
     }
 )
+# Reductions that add or multiply many values: their rounding follows the order the kernel accumulates in, which a
+# fusion compiler chooses per region (Triton's block sizes and autotuned launch configurations, nvFuser's scheduler).
+ACCUMULATING_OPS = frozenset({"sum", "mean", "var", "var_mean", "prod", "cumsum", "cumprod"})
 UNPACK_IDS = frozenset(
     {
         PrimIDs.UNPACK_TRIVIAL,
@@ -171,6 +174,11 @@ def dtype_name(t) -> str:
 
 def is_fusion(bsym) -> bool:
     return bool(getattr(bsym.sym, "is_fusion", False))
+
+
+def accumulates(bsym) -> bool:
+    """True if ``bsym`` or a symbol it is made of is an accumulating reduction (``ACCUMULATING_OPS``)."""
+    return sym_id(bsym) in ACCUMULATING_OPS or any(accumulates(s) for s in bsym.subsymbols)
 
 
 def is_copy_into(bsym) -> bool:

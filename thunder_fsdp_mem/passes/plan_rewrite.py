@@ -20,7 +20,7 @@ from thunder.core.proxies import Proxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_fsdp_mem.analysis.symbols import def_use, is_copy_into, is_fusion, without_dels
+from thunder_fsdp_mem.analysis.symbols import accumulates, def_use, is_copy_into, is_fusion, without_dels
 from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use, fusion_for
 from thunder_fsdp_mem.passes.mincut import PlanError, SavePlan, recomputable
 
@@ -102,13 +102,20 @@ def _receive(bsyms: list, saved: tuple) -> int:
 
 def _what_is_read(bsym, read: set[str]):
     """A fusion recomputed for some of its outputs (those in ``read``: the backward reads them and does not have
-    them already), as a fusion that computes those alone (``edit.fusion_for``); any other symbol as it is."""
+    them already), as a fusion that computes those alone (``edit.fusion_for``); any other symbol as it is.
+
+    Where those outputs need an accumulating reduction (``symbols.accumulates``: a sum, a mean, a variance), the
+    fusion is run again whole, by its own callable: a new region is a new kernel, whose compiler may add in
+    another order (on CUDA, torch.compile's Triton kernel for a 16-value sum, alone, rounds otherwise than the
+    forward's, which also multiplies it), and the backward would then get other bits than the forward saved.
+    Elementwise ops round each value alone, so a region of them alone computes what the forward did."""
     if not is_fusion(bsym):
         return bsym
     wanted = [p for p in bsym.flat_proxy_outs if p.name in read]
     if not wanted or len(wanted) == len(bsym.flat_proxy_outs):
         return bsym
-    return fusion_for(bsym, wanted)
+    pruned = fusion_for(bsym, wanted)
+    return bsym if any(accumulates(s) for s in pruned.subsymbols) else pruned
 
 
 def _clone(bsym, defined: set[str], trace: TraceCtx):
