@@ -105,10 +105,9 @@ def _what_is_read(bsym, read: set[str]):
     them already), as a fusion that computes those alone (``edit.fusion_for``); any other symbol as it is.
 
     Where those outputs need an accumulating reduction (``symbols.accumulates``: a sum, a mean, a variance), the
-    fusion is run again whole, by its own callable: a new region is a new kernel, whose compiler may add in
-    another order (on CUDA, torch.compile's Triton kernel for a 16-value sum, alone, rounds otherwise than the
-    forward's, which also multiplies it), and the backward would then get other bits than the forward saved.
-    Elementwise ops round each value alone, so a region of them alone computes what the forward did."""
+    fusion is run again whole, by its own callable: a new region is a new kernel, whose compiler chooses anew
+    the order it adds in, and the backward would get other bits than the forward computed (``docs/design.md``).
+    Elementwise ops round each value on their own, so a region of them alone computes what the forward did."""
     if not is_fusion(bsym):
         return bsym
     wanted = [p for p in bsym.flat_proxy_outs if p.name in read]
