@@ -65,3 +65,14 @@ def test_proxy_names_walk_nested_arguments():
     trace = thunder.trace()(square_of_exp, torch.randn(4, 8))
     a = trace.bound_symbols[1].output
     assert symbols.proxy_names({"k": [a, (a, 3)], "n": None}) == [a.name, a.name]
+
+
+def test_accumulating_reductions_are_found_inside_composite_symbols():
+    def f(x):
+        return ltorch.softmax(x, -1), ltorch.amax(x, -1), ltorch.exp(x), ltorch.var_mean(x, -1)
+
+    trace = thunder.trace()(f, torch.randn(4, 8))
+    by_name = {b.sym.name: symbols.accumulates(b) for b in trace.bound_symbols}
+    assert by_name["_softmax"] and "sum" not in by_name  # the sum is inside softmax's own symbols
+    assert by_name["var_mean"]
+    assert not by_name["amax"] and not by_name["exp"]  # a maximum is exact in any order; exp is elementwise

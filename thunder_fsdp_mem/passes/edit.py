@@ -85,8 +85,8 @@ def fusion_for(fusion, outputs: Sequence[Proxy]):
     """A fusion symbol that computes ``outputs`` (some of ``fusion``'s, in its order) and nothing else: the
     subsymbols they need, the inputs those read, a new callable from the fusion's executor (``fuse``, as Thunder's
     rematerialization makes its fusions). The needed subsymbols are the same ops on the same values as in
-    ``fusion``. Where a backward recomputes a forward fusion for some of its outputs (a ThunderFX block's region:
-    its first matmul's output, not the two matmuls that follow), the rest is not run again."""
+    ``fusion``. Where a backward recomputes a forward fusion for some of its outputs, the rest is not run again
+    (``plan_rewrite._what_is_read`` says when a region must run again whole instead)."""
     region = TraceCtx(None)
     region.bound_symbols = list(fusion.subsymbols)
     needed = utils.find_producer_symbols(region, tuple(outputs), tuple(fusion.flat_proxy_args))
