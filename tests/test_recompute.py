@@ -9,10 +9,13 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.extend import OperatorExecutor
 
-from thunder_fsdp_mem import FSDPMemoryTransform
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.cost import op_traffic
 from thunder_fsdp_mem.analysis.symbols import is_fusion
 from thunder_fsdp_mem.passes import checks, plan_rewrite, recompute
+from thunder_fsdp_mem.passes.driver import Outcome
+from thunder_fsdp_mem.predict.emulate import plan_step
+from thunder_fsdp_mem.training import models
 
 
 def f(x, w):
@@ -95,6 +98,19 @@ def test_a_repeated_symbol_the_trace_returns_is_kept():
     checks.check_program(deduped)
     checks.check_same_result(trace, deduped)
     assert [b.sym.name for b in kept].count("sum") == 2
+
+
+@pytest.mark.parametrize("shard", ["zero2", "zero3"])
+def test_float32_under_thunder_fsdp_keeps_each_gradient_its_own_reduce_scatter(shard):
+    # pythia-14m in float32 (a parallel residual: the attention's and the MLP's output-bias gradients are computed
+    # alike, each divided and reduce-scattered apart), traced on the meta device over 2 fake ranks. Dropping the
+    # second division as a repeat reduce-scattered the first twice: the checks refused the rematerialization, and
+    # under ZeRO3 the all-gathers after it.
+    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=64)
+    options = dict(mode="thunder-fsdp", shard=shard, world_size=2, device_type="cpu", dtype=torch.float32)
+    _, transform = plan_step(spec, MemoryConfig(strict=True), **options)  # strict: a refusal raises
+    done = {r.pass_name: r.outcome for r in transform.rewrites}
+    assert done["rematerialization"] is Outcome.APPLIED and done["all-gathers"] is Outcome.APPLIED
 
 
 def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(traces):

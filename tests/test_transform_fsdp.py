@@ -8,9 +8,9 @@ from support import torchrun
 pytestmark = pytest.mark.slow  # every case reads one 2-rank torchrun run (make test-slow)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return torchrun("remat_worker.py", "neox", "bf16")
+@pytest.fixture(scope="module", params=["bf16", "fp32"])
+def results(request):  # fp32: the bias gradients a parallel residual computes alike, reduce-scattered apart
+    return torchrun("remat_worker.py", "neox", request.param)
 
 
 def test_both_modes_ran_on_both_ranks(results):

@@ -20,7 +20,15 @@ from thunder.core.proxies import Proxy, variableify
 from thunder.core.pytree import tree_map
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace, tracectx
 
-from thunder_fsdp_mem.analysis.symbols import accumulates, def_use, is_copy_into, is_fusion, without_dels
+from thunder_fsdp_mem.analysis.symbols import (
+    COLLECTIVES,
+    accumulates,
+    def_use,
+    is_copy_into,
+    is_fusion,
+    sym_id,
+    without_dels,
+)
 from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use, fusion_for
 from thunder_fsdp_mem.passes.mincut import PlanError, SavePlan, recomputable
 
@@ -140,12 +148,16 @@ def _drop_repeats(bsyms: list) -> list:
     (same op, same executor, same arguments) dropped, and its outputs' readers reading the earlier outputs instead.
     Thunder's ``cse`` does this too but refuses traces with fusions, and tells forward from backward symbols.
 
-    A symbol whose output the trace returns is never dropped: the rewrite must return what the backward returned
-    (``checks.check_same_result``), and two outputs equal by construction stay two tensors. Under a parallel
+    A symbol whose output the trace returns, or a collective reads, is never dropped: the rewrite must return what
+    the backward returned (``checks.check_same_result``) and issue the collectives it issued on the same tensors
+    (``checks.check_same_collectives``), and two outputs equal by construction stay two tensors. Under a parallel
     residual in float32, the gradients of the attention's and the MLP's output biases are both ``sum(g, (0, 1))``
-    of the block's output gradient ``g``; dropping the second would return the first for both."""
+    of the block's output gradient ``g``; dropping the second would return the first for both, or, under Thunder's
+    fsdp, reduce-scatter the first twice."""
     written = {a.name for b in bsyms if is_copy_into(b) for a in b.flat_proxy_args}
-    returned = {a.name for b in bsyms if b.sym.id == PrimIDs.RETURN for a in b.flat_proxy_args}
+    returned = {
+        a.name for b in bsyms if b.sym.id == PrimIDs.RETURN or sym_id(b) in COLLECTIVES for a in b.flat_proxy_args
+    }
     first: dict[tuple, object] = {}
     swap: dict = {}
     out = []
