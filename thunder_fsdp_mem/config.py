@@ -10,6 +10,7 @@ BUDGET_LOSSES = ("cross_entropy",)
 BUDGET_OPTIMIZERS = ("adamw",)
 DEFAULT_MAX_INFLIGHT_ALLGATHERS = 2
 DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS = 2
+SIZE_FIELDS = ("memory_budget", "memory_cap", "saved_budget")  # bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +66,13 @@ class MemoryConfig:
         gradients of the head are computed with the loss. The chunk count is the fewest that keeps the step's
         estimated peak (or budget). Its results differ from the unchunked loss's by rounding (``docs/accuracy.md``
         gives the tolerances); False keeps Thunder's loss.
+    route_attention: where the first executor listed that claims ``scaled_dot_product_attention`` has no grad rule
+        for it (a fusion executor listed ahead of the attention executors, as ``benchmark_litgpt.py``'s
+        ``thunder_inductor`` lists Thunder's torch.compile executor), have the first attention executor listed that
+        accepts the call run its forward and backward, as it would were it listed first (``attention.py``): Thunder
+        would otherwise differentiate attention's decomposition and save its (T, T) probabilities for backward. The
+        results are then that attention executor's, which differ from the decomposition's by rounding; False
+        leaves the program's choice.
     strict: raise instead of warning when a trace is not understood, a rewrite fails its checks, or a budget
         cannot be met (a warning returns the trace unchanged, or rewritten to the least peak reachable).
     """
@@ -85,6 +93,7 @@ class MemoryConfig:
     budget_loss: str | None = "cross_entropy"
     budget_optimizer: str | None = "adamw"
     chunk_loss: bool = True
+    route_attention: bool = True
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -96,6 +105,7 @@ class MemoryConfig:
             "gathers",
             "scatters",
             "chunk_loss",
+            "route_attention",
             "strict",
         ):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")
@@ -110,7 +120,7 @@ class MemoryConfig:
             self.regather is None or isinstance(self.regather, bool),
             "True, False or None (as the sharding strategy says)",
         )
-        for name, least in (("memory_budget", 1), ("memory_cap", 1), ("saved_budget", 0)):
+        for name, least in zip(SIZE_FIELDS, (1, 1, 0)):
             n = getattr(self, name)
             _check(
                 name,

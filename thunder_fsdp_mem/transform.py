@@ -12,6 +12,7 @@ fills in, before Thunder turns either into Python.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -22,11 +23,12 @@ from thunder.core.transform_common import Transform
 from thunder.distributed import FSDPType
 
 from thunder_fsdp_mem.analysis.step import parameter_order
+from thunder_fsdp_mem.attention import route_attention
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.rewrite import rewrite_losses
 from thunder_fsdp_mem.passes.driver import Outcome, Pair, Rewrite, run_passes
 from thunder_fsdp_mem.passes.budget import cap_shortfall, estimator, unmet_warning
-from thunder_fsdp_mem.passes.pipeline import CHUNKED_LOSS, DECLARED, pipeline
+from thunder_fsdp_mem.passes.pipeline import CHUNKED_LOSS, DECLARED, ROUTED_ATTENTION, pipeline
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -88,27 +90,35 @@ class FSDPMemoryTransform(Transform):
         self.rewrites: list[Rewrite] = []
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        """Before autograd: a cross-entropy on a linear layer's output becomes the chunked linear cross-entropy
+        """Before autograd: attention kept on an attention executor where a fusion executor listed first would have
+        Thunder differentiate its decomposition (``MemoryConfig.route_attention``, ``attention.route_attention``),
+        and a cross-entropy on a linear layer's output made the chunked linear cross-entropy
         (``MemoryConfig.chunk_loss``), whose forward and backward Thunder then derives from its grad rule."""
-        if not self.config.chunk_loss:
-            return prologue_trace, computation_trace, epilogue_trace
+        if self.config.route_attention:
+            executors = kwargs.get("executors_list") or getattr(get_compile_data(), "executors_list", ())
+            computation_trace = self._before_autograd(
+                ROUTED_ATTENTION, computation_trace, lambda trace: _routed(trace, executors)
+            )
+        if self.config.chunk_loss:
+            computation_trace = self._before_autograd(CHUNKED_LOSS, computation_trace, _chunked)
+        return prologue_trace, computation_trace, epilogue_trace
+
+    def _before_autograd(self, what: str, trace: TraceCtx, rewrite) -> TraceCtx:
+        """``rewrite(trace) -> (trace, notes)`` recorded as ``what``: one ``Rewrite`` per (applied, note), ``APPLIED``
+        or ``LEFT``; a trace the rewrite does not understand stays as it was."""
         started = time.perf_counter()
         try:
-            computation_trace, found = rewrite_losses(computation_trace)
-        except Exception as e:  # a trace the rewrite does not understand stays as it was
+            rewritten, notes = rewrite(trace)
+        except Exception as e:
             why = f"{type(e).__name__}: {e}"
-            self.rewrites.append(Rewrite(CHUNKED_LOSS, Outcome.REFUSED, self._pairs, note=why))
-            self._refused(CHUNKED_LOSS, why)
-            return prologue_trace, computation_trace, epilogue_trace
-        for f in found:
-            rows, vocab = f.logits_shape
-            note = f"{f.dtype} logits ({rows}, {vocab}), {f.chunks} chunks to start with" + (
-                f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
-            )
-            self.rewrites.append(
-                Rewrite(CHUNKED_LOSS, Outcome.APPLIED, self._pairs, seconds=time.perf_counter() - started, note=note)
-            )
-        return prologue_trace, computation_trace, epilogue_trace
+            self.rewrites.append(Rewrite(what, Outcome.REFUSED, self._pairs, note=why))
+            self._refused(what, why)
+            return trace
+        seconds = time.perf_counter() - started
+        for applied, note in notes:
+            outcome = Outcome.APPLIED if applied else Outcome.LEFT
+            self.rewrites.append(Rewrite(what, outcome, self._pairs, seconds=seconds, note=note))
+        return rewritten
 
     def transform_trace_post_optimization(self, computation_trace: TraceCtx, **kwargs) -> TraceCtx:
         c = self.config
@@ -174,6 +184,11 @@ class FSDPMemoryTransform(Transform):
             lines.append(f"nothing changed in {len(quiet)} pair(s): {_ranges(quiet)}")
         return "\n".join(lines)
 
+    @property
+    def pairs(self) -> int:
+        """How many forward/backward pairs the passes have run on."""
+        return self._pairs
+
     def _regathers(self) -> bool:
         """Gather parameters again in backward: as ``regather`` says, else where the model is sharded with ZeRO3."""
         if self.config.regather is not None:
@@ -202,6 +217,22 @@ class FSDPMemoryTransform(Transform):
         )
         package = '__import__("thunder_fsdp_mem")'
         return f"{package}.FSDPMemoryTransform({package}.MemoryConfig({changed}))"
+
+
+def _routed(trace: TraceCtx, executors) -> tuple[TraceCtx, list[tuple[bool, str]]]:
+    trace, found = route_attention(trace, executors)
+    alike = collections.Counter(found)  # one note for the calls of every layer alike
+    return trace, [(r.runs_on is not None, r.describe(count)) for r, count in alike.items()]
+
+
+def _chunked(trace: TraceCtx) -> tuple[TraceCtx, list[tuple[bool, str]]]:
+    trace, found = rewrite_losses(trace)
+    notes = []
+    for f in found:
+        rows, vocab = f.logits_shape
+        softcap = f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
+        notes.append((True, f"{f.dtype} logits ({rows}, {vocab}), {f.chunks} chunks to start with{softcap}"))
+    return trace, notes
 
 
 def _short(r: Rewrite) -> str:

@@ -123,10 +123,12 @@ class Pass:
 
 
 class Outcome(str, Enum):
-    """What became of one pass on one pair."""
+    """What became of one pass on one pair. ``LEFT``: it found what it acts on and could not act on it (the note
+    says why and what would let it)."""
 
     APPLIED = "applied"
     UNCHANGED = "nothing to change"
+    LEFT = "left as it was"
     RAISES_PEAK = "kept out: it would raise the estimated peak"
     MISSES_CAP = "kept out: the caching allocator would miss the memory cap by more"
     REFUSED = "refused"

@@ -46,6 +46,7 @@ DECLARED: tuple[Declaration, ...] = (
 FOLD, FUSIONS, REMATERIALIZE, ORDER = casts.PASS.name, fusions.PASS.name, recompute.PASS.name, reorder.PASS.name
 ALL_GATHERS, REDUCE_SCATTERS = gathers.PASS.name, scatters.PASS.name
 CHUNKED_LOSS = "chunked loss"  # before autograd (``loss.rewrite``), recorded beside the passes
+ROUTED_ATTENTION = "attention executor"  # before autograd (``attention``), recorded beside the passes
 
 
 def pipeline(config: MemoryConfig, *, regather: bool) -> list[Pass]:
