@@ -1,7 +1,7 @@
-"""A pytest plugin that adds ``FSDPMemoryTransform()`` to every ``thunder.jit`` and every ``ThunderCompiler``
-(ThunderFX) of the session, for ``benchmarks/thunder_suite.py``. Loaded with ``-p benchmarks.thunder_suite_plugin``
-(the project's root on ``PYTHONPATH``); it patches before Thunder's test files are collected, so that their
-``from thunder import jit`` takes the patched function too.
+"""A pytest plugin that adds ``FSDPMemoryTransform()`` to every ``thunder.jit`` of the session (``ThunderCompiler``'s
+subgraphs among them) as the runner does (``thunder_fsdp_mem.run.inject``), for ``benchmarks/thunder_suite.py``.
+Loaded with ``-p benchmarks.thunder_suite_plugin`` (the project's root on ``PYTHONPATH``); it patches before
+Thunder's test files are collected, so that their ``from thunder import jit`` takes the patched function too.
 
 At the end it writes, to the JSON file ``THUNDER_SUITE_RECORD`` names, how often the transform was added
 (``jitted``), how often it ran on a trace (``transformed``), and every warning it gave (``warnings``) and every
@@ -16,34 +16,15 @@ import os
 import traceback
 
 _record = {"jitted": 0, "transformed": 0, "warnings": [], "raised": []}
-_current = {"test": ""}
+_current: dict = {"test": ""}
 
 
 def pytest_configure(config) -> None:
-    import thunder
-    from thunder.dynamo import ThunderCompiler
+    from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+    from thunder_fsdp_mem.run.inject import injected
 
-    from thunder_fsdp_mem import FSDPMemoryTransform
-
-    def with_ours(transforms):
-        _record["jitted"] += 1
-        return [*(transforms or []), FSDPMemoryTransform()]
-
-    original_jit = thunder.jit
-
-    @functools.wraps(original_jit)
-    def jit(fn=None, /, *args, transforms=None, **kwargs):
-        return original_jit(fn, *args, transforms=with_ours(transforms), **kwargs)
-
-    thunder.jit = jit
-    original_init = ThunderCompiler.__init__
-
-    @functools.wraps(original_init)
-    def init(self, **kwargs):
-        kwargs["transforms"] = with_ours(kwargs.get("transforms"))
-        original_init(self, **kwargs)
-
-    ThunderCompiler.__init__ = init
+    _current["injection"] = injected(MemoryConfig())  # what the runner does: one transform per thunder.jit
+    _current["programs"] = _current["injection"].__enter__().programs
     for name in ("transform_traces_pre_prologue", "transform_trace_post_optimization"):
         setattr(FSDPMemoryTransform, name, _watched(getattr(FSDPMemoryTransform, name)))
     warned = FSDPMemoryTransform._warned
@@ -79,6 +60,8 @@ def pytest_runtest_setup(item) -> None:
 
 
 def pytest_unconfigure(config) -> None:
+    _record["jitted"] = sum(p.transform is not None for p in _current["programs"])
+    _current["injection"].__exit__(None, None, None)
     path = os.environ.get("THUNDER_SUITE_RECORD")
     if path:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

@@ -29,6 +29,7 @@ _WHERE = {
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
     "format_bytes": "thunder_fsdp_mem.units",
     "plan_fsdp2": "thunder_fsdp_mem.predict.plan",
+    "FSDPMemoryPlugin": "thunder_fsdp_mem.plugin",
 }
 
 __all__ = sorted(_WHERE)

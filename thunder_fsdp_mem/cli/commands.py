@@ -1,7 +1,8 @@
 """The commands of ``thunder-fsdp-mem``: ``main(argv=None) -> int`` parses the command line (``parser``), checks it
 (``validate``) and runs ``report`` (``run_report``: one step traced on the meta device, planned with the transform
-and measured where asked, its report printed and written) or ``fit`` (``run_fit``: ``predict.fit``'s search for
-the largest step that fits, without the transform and with it). It returns the exit code: user errors print one
+and measured where asked, its report printed and written), ``fit`` (``run_fit``: ``predict.fit``'s search for
+the largest step that fits, without the transform and with it) or ``run`` (``thunder_fsdp_mem.run``: a program
+run with the transform injected, which reads its own command line). It returns the exit code: user errors print one
 line to stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that
 ``--help`` and usage errors answer at once."""
 
@@ -20,6 +21,11 @@ from thunder_fsdp_mem.cli.validate import validate
 
 def main(argv: list[str] | None = None) -> int:
     quiet_imports()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # the runner parses its own options, and the program's are not ours to read
+        from thunder_fsdp_mem.run import main as run_main
+
+        return run_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         validate(args)

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_step_options(fit, report=False)
     _add_output_options(fit, "also write the sizes found as JSON to PATH")
     fit.set_defaults(**REPORT_ONLY_DEFAULTS)
+    sub.add_parser(  # listed here; ``commands.main`` hands ``run`` and what follows to ``thunder_fsdp_mem.run``
+        "run",
+        help="run a program unmodified with the transform in every Thunder function it builds "
+        "(thunder-fsdp-mem run --help)",
+        add_help=False,
+    )
     return parser
 
 
