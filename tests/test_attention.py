@@ -96,16 +96,29 @@ def test_attention_claimed_first_without_a_grad_rule_runs_on_the_attention_execu
     assert "1 call of scaled_dot_product_attention (1, 2, 128, ...) f32 on test_cpu_flash_attention" in (
         transform.summary()
     )
-    left = FSDPMemoryTransform(MemoryConfig(route_attention=False))
+    left = FSDPMemoryTransform(MemoryConfig(route_attention=False, rematerialize=False))
     _, _, kept = _step([torch_ex, cpu_attention_ex], [left])
     assert (1, 2, 128, 128) in kept
+
+
+def test_decomposed_attention_rebuilds_its_probabilities_in_backward_bit_for_bit():
+    # No attention executor takes CPU tensors: Thunder differentiates the decomposition, and the cut recomputes
+    # the scores' matmul and the softmax in backward from the saved query and key (``mincut.expanding``).
+    torch_ex = thunder.extend.get_executor("torch")
+    out, grads, shapes = _step([torch_ex], [])
+    transform = FSDPMemoryTransform(MemoryConfig(strict=True))
+    out_t, grads_t, shapes_t = _step([torch_ex], [transform])
+    assert (1, 2, 128, 128) in shapes and not any(s[-2:] == (128, 128) for s in shapes_t), shapes_t
+    assert torch.equal(out, out_t) and all(torch.equal(a, b) for a, b in zip(grads, grads_t))
+    (remat,) = [r for r in transform.rewrites if r.pass_name == "rematerialization"]
+    assert {g.symbol for g in remat.recomputed} >= {"matmul", "softmax"}
 
 
 def test_no_attention_executor_that_accepts_it_is_said():
     transform = FSDPMemoryTransform()
     _step([thunder.extend.get_executor("torch")], [transform])
     (note,) = [r.note for r in transform.rewrites if r.pass_name == "attention executor"]
-    assert "claimed by torch, which has no grad rule for it" in note and "128.00 KiB of probabilities" in note
+    assert "claimed by torch, which has no grad rule for it" in note and "128.00 KiB of (T, T) probabilities" in note
     assert "list test_cpu_flash_attention ahead of torch" in note  # registered, accepts it, not listed
 
 
@@ -132,6 +145,30 @@ def test_torch_compile_executor_first_saves_no_t_by_t_matrix_at_8192_tokens(rout
             record.note
         )
         assert "4.00 GiB of probabilities not saved" in record.note
+
+
+def test_soft_capped_attention_saves_no_probabilities_at_8192_tokens():
+    # litgpt's gemma-2 attention (soft-capped: computed by matmul, tanh and softmax, never by an attention
+    # executor), one block on the meta device as on an H100 with Thunder's default executors. The sliding window is
+    # off: litgpt builds its mask with a Python loop of T writes, which takes Thunder minutes to trace.
+    spec = models.ModelSpec(name="gemma-2-2b", n_layers=1, block_size=8192, overrides=(("sliding_window_size", None),))
+    executors = list(thunder.get_default_executors())
+
+    def saved(transforms):
+        with as_on("cuda", executors):
+            with torch.device("meta"):
+                gpt = GPT(spec.config()).to(torch.bfloat16)
+            jitted = thunder.jit(gpt, executors=executors, transforms=transforms)
+            idx, targets = models.batch(spec, device="meta")
+            logits = jitted(idx)
+            F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+        tensors = thunder.last_traces(jitted)[-1].bound_symbols[-1].args[1][0]
+        return [tuple(s.shape) for s in tensors if isinstance(s, TensorProxy) and tuple(s.shape)[-2:] == (8192, 8192)]
+
+    assert (1, 8, 8192, 8192) in saved([])  # the scores, their soft-cap and the probabilities, per head
+    # With the transform none per head is saved. What stays is litgpt's causal mask, (1, 1, T, T), which it builds
+    # per block with an in-place fill: the cut does not recompute what an in-place copy writes.
+    assert saved([FSDPMemoryTransform()]) == [(1, 1, 8192, 8192)]
 
 
 def test_routed_symbols_are_one_per_attention_executor():

@@ -10,7 +10,7 @@ import torch
 from thunder.executors.sdpaex import sdpea_gradfwd, sdpfa_gradfwd
 
 from thunder_fsdp_mem.training.cudnn_attention import cudnn_forward
-from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_flops, op_seconds, op_traffic
+from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_flops, op_seconds, op_traffic, traffic_equivalent
 
 RATES = DeviceRates(name="test", matmul_flops=MappingProxyType({"bf16": 1e12, "f32": 1e11}), bandwidth=1e11)
 
@@ -28,6 +28,15 @@ def test_a_linear_is_its_flops_or_its_traffic_whichever_is_longer():
     assert op_seconds(linear, RATES) == pytest.approx(2 * 2 * 64 * 256 * 128 / 1e12)
     slow_memory = DeviceRates(name="slow", matmul_flops=MappingProxyType({"bf16": 1e12}), bandwidth=1e9)
     assert op_seconds(linear, slow_memory) == pytest.approx(op_traffic(linear) / 1e9)  # now bound by traffic
+
+
+def test_the_traffic_equivalent_of_an_op_is_its_time_at_the_bandwidth():
+    x, w = torch.randn(2, 64, 128, dtype=torch.bfloat16), torch.randn(256, 128, dtype=torch.bfloat16)
+    linear = _bsym(lambda a, b: ltorch.linear(a, b), x, w, name="linear")
+    # Arithmetic bound (8.4 us): what 100 GB/s moves in that time, 838,861 bytes, more than its own 164 KB.
+    assert traffic_equivalent(linear, RATES) == round(2 * 2 * 64 * 256 * 128 / 1e12 * 1e11)
+    tanh = _bsym(lambda a: ltorch.tanh(a), x, name="tanh")
+    assert traffic_equivalent(tanh, RATES) == op_traffic(tanh) == 2 * 2 * 64 * 128 * 2  # no arithmetic counted
 
 
 def test_causal_attention_is_half_the_full_matrix():

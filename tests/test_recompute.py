@@ -12,7 +12,7 @@ from thunder.extend import OperatorExecutor
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.cost import op_traffic
 from thunder_fsdp_mem.analysis.symbols import is_fusion
-from thunder_fsdp_mem.passes import checks, plan_rewrite, recompute
+from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite, recompute
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import plan_step
 from thunder_fsdp_mem.training import models
@@ -153,6 +153,17 @@ def test_a_rewrite_that_reads_a_deleted_tensor_fails_the_check(traces):
     broken.bound_symbols = [*bsyms[: delete_at - 1], bsyms[delete_at], bsyms[delete_at - 1], *bsyms[delete_at + 1 :]]
     with pytest.raises(checks.CheckError, match="after its del"):
         checks.check_program(broken)
+
+
+def test_only_a_matmul_that_expands_its_arguments_is_recomputed_without_a_price():
+    q = torch.randn(1, 2, 64, 8)  # attention's scores: (64, 64) per head from (64, 8) and (8, 64): 4x
+    scores = thunder.trace()(lambda a, b: ltorch.matmul(a, b), q, q.mT).bound_symbols[-2]
+    assert scores.sym.name == "matmul" and mincut.expanding(scores) and not mincut.recomputable(scores)
+    narrower = thunder.trace()(lambda a, b: ltorch.matmul(a, b), q[..., :60, :], q.mT).bound_symbols[-2]
+    assert not mincut.expanding(narrower)  # 60 x 64 outputs from 60 x 8 + 8 x 64 inputs: 3.9x
+    x, w = torch.randn(64, 128), torch.randn(512, 128)
+    linear = thunder.trace()(lambda a, b: ltorch.linear(a, b), x, w).bound_symbols[-2]
+    assert not mincut.expanding(linear)
 
 
 def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_dropout():

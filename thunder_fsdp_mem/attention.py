@@ -66,7 +66,7 @@ class Routed:
             )
             return (
                 f"{what}: claimed by {self.claimed_by}, which has no grad rule for it, so Thunder differentiates its "
-                f"decomposition and saves {probabilities} of probabilities for backward ({fix})"
+                f"decomposition, with {probabilities} of (T, T) probabilities ({fix})"
             )
         return (
             f"{what} on {self.runs_on} with its grad rule, not decomposed by {self.claimed_by}: "

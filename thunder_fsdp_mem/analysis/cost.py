@@ -2,7 +2,8 @@
 rate and its memory traffic at the device's bandwidth. The memory budget (``passes.budget``) ranks what to
 recompute by this time per byte of peak removed.
 
-Entry point: ``op_seconds(bsym, rates=H200) -> float``.
+Entry points: ``op_seconds(bsym, rates=H200) -> float``; ``traffic_equivalent(bsym, rates)``, the same time in the
+bytes a memory-bound op would move.
 
 - ``matmul`` / ``linear``: 2 x M x N x K floating-point operations at the tensor cores' rate for the dtype;
 - the attention kernels of Thunder's sdpa executor (flash and memory-efficient) and of torch's cuDNN attention
@@ -118,6 +119,13 @@ def op_traffic(bsym) -> int:
     if not symbols.is_fusion(bsym) and symbols.sym_id(bsym) in _NO_KERNEL:
         return 0
     return sum(symbols.nbytes(t) for t in (*symbols.tensor_args(bsym), *symbols.tensor_outputs(bsym)))
+
+
+def traffic_equivalent(bsym, rates: DeviceRates = H200) -> int:
+    """The bytes a memory-bound op that takes as long as ``bsym`` would read and write: its own traffic where its
+    arithmetic is faster than its traffic (every op without matmuls or attention), its time at the device's bandwidth
+    otherwise. The minimum cut prices a recomputation in these bytes."""
+    return max(op_traffic(bsym), round(op_seconds(bsym, rates) * rates.bandwidth))
 
 
 def op_seconds(bsym, rates: DeviceRates = H200) -> float:

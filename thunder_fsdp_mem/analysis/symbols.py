@@ -152,12 +152,17 @@ def shape(t: TensorLike) -> Shape:
     return tuple(int(s) for s in getattr(t, "_shape", None) or t.shape)
 
 
+def numel(t: TensorLike) -> int:
+    """Elements of a tensor proxy."""
+    n = 1
+    for s in shape(t):
+        n *= s
+    return n
+
+
 def nbytes(t: TensorLike) -> int:
     """Bytes of a tensor proxy: ``numel * itemsize``."""
-    numel = 1
-    for s in shape(t):
-        numel *= s
-    return numel * t.dtype.bytes
+    return numel(t) * t.dtype.bytes
 
 
 def dtype_name(t) -> str:

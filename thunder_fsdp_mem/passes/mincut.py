@@ -11,7 +11,9 @@ It is a minimum cut over the forward's data flow:
 - a recomputable op joins each tensor argument's ``out`` to each output's ``in`` with unbounded capacity: a
   tensor recomputed in backward needs its arguments there;
 - the source feeds the ``in`` of every tensor that cannot be recomputed (inputs; outputs of matmuls, attention,
-  collectives, random and unknown ops); every tensor the backward receives today feeds the sink.
+  collectives, random and unknown ops); every tensor the backward receives today feeds the sink. A matmul that
+  expands its arguments (``expanding``: attention's scores where attention is decomposed) is recomputable, so that
+  the (T, T) probabilities are rebuilt in backward from the query and key rather than saved.
 
 Cut edges ``v.in -> v.out`` are the tensors to save; tensors whose ``in`` falls on the sink's side are
 recomputed in backward (``plan_rewrite.apply_plan``). Ties go to the tensors saved today, so nothing is recomputed
@@ -20,7 +22,8 @@ for nothing.
 Recomputation costs time: ops outside fusions each read and write whole tensors. With ``recompute_weight``
 w > 0, each recomputable symbol is also a node ``("op", i)`` between its arguments and outputs, fed by the source
 with capacity w x its traffic (``cost.op_traffic``): the cut pays it when the symbol runs again, once however
-many of its outputs are needed. The cut then minimises saved bytes + w x recomputation traffic.
+many of its outputs are needed (an expanding matmul: the bytes a memory-bound op of its time would move,
+``cost.traffic_equivalent``). The cut then minimises saved bytes + w x recomputation traffic.
 
 With a ``price`` (bytes of saved memory one second of recomputation is worth), the expensive deterministic ops
 become recomputable too: matmuls, attention without dropout, embeddings, and fusion regions made of them and cheap
@@ -54,6 +57,7 @@ from thunder_fsdp_mem.analysis.cost import (
     attention_options,
     op_seconds,
     op_traffic,
+    traffic_equivalent,
 )
 from thunder_fsdp_mem.analysis.symbols import (
     ELEMENTWISE_OPS,
@@ -64,6 +68,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     is_copy_into,
     is_fusion,
     nbytes,
+    numel,
     sym_id,
 )
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
@@ -91,9 +96,16 @@ RECOMPUTABLE_OPS = (
             "amin",
             "prod",
             "contiguous",
+            "softmax",
+            "_softmax",
+            "log_softmax",
+            "_log_softmax",
         }
     )
 )
+# A matmul whose output holds at least this many times the elements of its arguments together: attention's scores
+# (q @ k^T over a head's few dimensions), (T, T) from (T, d). The cut may recompute it without a price (``expanding``).
+EXPANSION = 4
 
 # Deterministic too, but dear: recomputed only at a price (a memory budget).
 PRICED_OPS = MATMULS | ATTENTION | {"embedding"}
@@ -150,6 +162,22 @@ def recomputable(bsym) -> bool:
     return sym_id(bsym) in RECOMPUTABLE_OPS
 
 
+def expanding(bsym) -> bool:
+    """True for a matmul whose output has at least ``EXPANSION`` times the elements of its tensor arguments together
+    (attention's scores, where no attention executor runs attention: a fusion executor listed ahead of it, a mask,
+    a soft-cap): what the forward would save of it grows as T x T while its arguments grow as T. The cut may recompute
+    it like a cheap op, at the price of the bytes a memory-bound op of its time would move
+    (``cost.traffic_equivalent``), so that the backward runs it again from the saved query and key rather than keep
+    the (T, T) probabilities alive from the forward (as flash attention's backward recomputes them)."""
+    if sym_id(bsym) not in MATMULS or is_fusion(bsym):
+        return False
+    args = bsym.flat_proxy_args
+    if not args or any(not isinstance(a, TensorProxy) for a in args):
+        return False
+    inputs = sum(numel(a) for a in args)
+    return sum(numel(o) for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)) >= EXPANSION * inputs
+
+
 def priced(bsym) -> bool:
     """True for the expensive deterministic ops the cut may recompute at a price: matmuls, attention without
     dropout, embeddings, and fusion regions made of them and cheap ops, whose arguments are all tensors or
@@ -198,7 +226,7 @@ def plan_saved(
             continue
         if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
-        can[i] = recomputable(bsym)
+        can[i] = recomputable(bsym) or expanding(bsym)
         if not can[i] and price is not None and priced(bsym) and (only is None or i in only):
             can[i] = dear[i] = True
         for o in bsym.flat_proxy_outs:
@@ -225,7 +253,7 @@ def plan_saved(
         if dear[i]:
             cost = max(1, round(2 * price * op_seconds(bsym, rates)))
         else:
-            cost = round(2 * recompute_weight * op_traffic(bsym))
+            cost = round(2 * recompute_weight * traffic_equivalent(bsym, rates))
         if cost:
             graph.add_edge(_SOURCE, ("op", i), capacity=cost)
         for a in bsym.flat_proxy_args:
