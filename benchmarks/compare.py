@@ -5,20 +5,20 @@
         [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--timeout 3600] [--json out.json] [--plot out.png]
 
 A mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1@ex=fused``. A
-Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``fused``: ``runtime.executors``; else
-``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``, ``ag``:
-``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1, ``fr``:
-``fusion_rematerialize``, 0 or 1 (1, the default: Thunder's rematerialized results; 0: bit for bit), ``chunk``:
-``chunk_loss``, 0 or 1 (with ``@loss=trace``: 1, the default, chunks the loss), and
-``budget``: ``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
+Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``default+inductor``, ``fused``:
+``runtime.executors``; else ``--executors``'s). A +mem mode also takes the transform's ``w``: ``recompute_weight``,
+``ag``: ``max_inflight_allgathers``, ``rs``: ``max_inflight_reduce_scatters``, ``fold``: ``fold_casts``, 0 or 1,
+``fr``: ``fusion_rematerialize``, 0 or 1 (1, the default: Thunder's rematerialized results; 0: bit for bit),
+``chunk``: ``chunk_loss``, 0 or 1 (with ``@loss=trace``: 1, the default, chunks the loss), and ``budget``:
+``memory_budget``, a per-rank peak (``60GB``; under FSDP2 each block's share comes from the prediction,
 ``fsdp2.fit_budget``); on CUDA with ``--memory-cap-gb`` the cap is the transform's ``memory_cap`` too, as a user
-tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A
-torch.compile mode takes ``amb``: its ``activation_memory_budget``, 0 to 1 (``inductor@amb=0.5``);
-``inductor+ckpt`` checkpoints every block. Any mode takes ``loss``: where the step computes its loss (``eager``,
-the default: cross-entropy on the logits after the compiled model; ``trace``: the model and its loss compiled
-together, ``thunder_fsdp_mem.LossModel``, which a +mem mode chunks; ``liger``, ``cce``: Liger-Kernel's or Cut
-Cross-Entropy's fused linear cross-entropy after the model compiled up to its final norm, from ``pip install
-.[bench]``, a mode skipped with a line where the package is absent; not under Thunder's fsdp or FSDP1).
+tells it the GPU's size, so that the plan also runs under the cap in the caching allocator's replay. A torch.compile
+mode takes ``amb``: its ``activation_memory_budget``, 0 to 1 (``inductor@amb=0.5``); ``inductor+ckpt`` checkpoints
+every block. Any mode takes ``loss``: where the step computes its loss (``eager``, the default: cross-entropy on the
+logits after the compiled model; ``trace``: the model and its loss compiled together,
+``thunder_fsdp_mem.LossModel``, which a +mem mode chunks; ``liger``, ``cce``: Liger-Kernel's or Cut Cross-Entropy's
+fused linear cross-entropy after the model compiled up to its final norm, from ``pip install .[bench]``, a mode
+skipped with a line where the package is absent; not under Thunder's fsdp or FSDP1).
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -77,7 +77,8 @@ def _modes_help() -> str:
             "modes (--modes all: every one that runs at --nproc-per-node on --device):",
             *lines,
             "",
-            "a mode's own options, after @ (several allowed): ex=default|default+cat|fused (Thunder's executors),",
+            "a mode's own options, after @ (several allowed): ex=default|default+cat|default+inductor|fused",
+            "(Thunder's executors),",
             "loss=eager|trace|liger|cce; +mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
             "fold=0|1, fr=0|1 (fusion rematerialize), chunk=0|1, budget=60GB; torch.compile modes: amb=0..1",
             "(activation_memory_budget). e.g. --modes fsdp2-inductor,fsdp2-thunder+mem@budget=60GB,inductor@amb=0.5",

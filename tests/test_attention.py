@@ -13,16 +13,24 @@ from litgpt import GPT
 from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.executors.torch_compile import torch_compile_ex
-from thunder.extend import OperatorExecutor, register_executor
+from thunder.extend import OperatorExecutor, deregister_executor, register_executor
 
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import models, runtime
 
 # An attention executor for CPU tensors, as Thunder's sdpa executor is for CUDA ones: torch's CPU flash attention
 # and its backward, which saves the log-sum-exp and never the probabilities.
 cpu_attention_ex = OperatorExecutor("test_cpu_flash_attention", version="0.1")
-register_executor(cpu_attention_ex)  # known to Thunder (not among its defaults), as an installed executor is
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _known_to_thunder():
+    """Registered (not among the defaults), as an installed executor is, while this module's tests run: other test
+    files in the same process must not find it."""
+    register_executor(cpu_attention_ex)
+    yield
+    deregister_executor(cpu_attention_ex)
 
 
 def _forward_meta(q, k, v, is_causal, scale):
@@ -124,10 +132,11 @@ def test_no_attention_executor_that_accepts_it_is_said():
 
 @pytest.mark.parametrize("route", [True, False], ids=["routed", "as-listed"])
 def test_torch_compile_executor_first_saves_no_t_by_t_matrix_at_8192_tokens(route):
-    # benchmark_litgpt.py's thunder_inductor: Thunder's torch.compile executor ahead of the defaults, on the
-    # meta device as on an H100 (sdpa's flash kernel for bf16), stablecode-3b's block at 8192 tokens.
+    # benchmark_litgpt.py's thunder_inductor (runtime's default+inductor): Thunder's torch.compile executor ahead of
+    # the defaults, on the meta device as on an H100 (sdpa's flash kernel for bf16), stablecode-3b's block at 8192.
     spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
-    executors = [torch_compile_ex, *thunder.get_default_executors()]
+    executors = runtime.executors("default+inductor")
+    assert executors[0] is torch_compile_ex
     transform = FSDPMemoryTransform(MemoryConfig(route_attention=route))
     with as_on("cuda", executors):
         with torch.device("meta"):

@@ -32,7 +32,7 @@ PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".
         (["report", "--world-size", "0"], "--world-size must be at least 1"),
         (["report", "--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
         (["report", "--plot", "timeline.txt"], "must end in .png, .svg or .pdf"),
-        (["report", "--executors", "nvfuser"], "(choose from 'default', 'default+cat', 'fused')"),
+        (["report", "--executors", "nvfuser"], "(choose from 'default', 'default+cat', 'default+inductor', 'fused')"),
         (
             ["report", "--model", "Gemma-2-2b", "--n-layers", "1", "--block-size", "16"],
             "--mode fsdp2 does not model final_logit_softcapping",
@@ -202,7 +202,7 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
         "fusion rematerialization",
         "rematerialization",
     ]
-    assert passes[0]["outcome"] == "left as it was" and "probabilities for backward" in passes[0]["note"]
+    assert passes[0]["outcome"] == "left as it was" and "of (T, T) probabilities" in passes[0]["note"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
     # The JSON names the plan of its top-level figures, carries the settings and the versions, and, per plan, the

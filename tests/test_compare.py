@@ -112,7 +112,10 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
         (["--steps", "0", "--device", "cpu"], "--steps must be at least 1"),
         (["--jobs", "0", "--device", "cpu"], "--jobs must be at least 1"),
         (["--modes", "thunder-fsdp@w=0.1", "--device", "cpu"], "only +mem modes take the transform's options"),
-        (["--modes", "thunder+mem@ex=nvfuser", "--device", "cpu"], "ex must be one of default, default+cat, fused"),
+        (
+            ["--modes", "thunder+mem@ex=nvfuser", "--device", "cpu"],
+            "ex must be one of default, default+cat, default+inductor, fused",
+        ),
         (["--modes", "fsdp2-inductor@ex=fused", "--device", "cpu"], "only Thunder's modes take @ex"),
         (["--executors", "fast", "--device", "cpu"], "invalid choice: 'fast'"),
         (["--modes", "inductor@amb=2", "--device", "cpu"], "amb must be a number from 0 to 1, got '2'"),

@@ -179,7 +179,7 @@ def test_row_chunks_and_candidates():
 def long_step():
     neox = BY_NAME["neox"]  # with a vocabulary whose logits outweigh the rest of the step
     spec = dataclasses.replace(
-        neox, n_layers=1, block_size=1024, overrides=neox.overrides + (("padded_vocab_size", 8192),)
+        neox, n_layers=1, block_size=1024, overrides=neox.overrides + (("padded_vocab_size", 16384),)
     )
     model = models.build(spec, dtype=torch.float32)
     idx, targets = models.batch(spec)

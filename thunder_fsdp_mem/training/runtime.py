@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from thunder_fsdp_mem.training.cudnn_attention import cudnn_attention_ex
 
-EXECUTOR_CHOICES = ("default", "default+cat", "fused")
+EXECUTOR_CHOICES = ("default", "default+cat", "default+inductor", "fused")
 SHARDS = ("zero2", "zero3")
 
 
@@ -69,6 +69,9 @@ def executors(choice: str) -> list:
     - ``default``: Thunder's defaults (nvFuser among them when a matching build is installed);
     - ``default+cat``: the defaults with a torch.compile executor for rotary's ``cat`` first (the seed's
       ``thunder_inductor_cat``; it claims CUDA tensors only);
+    - ``default+inductor``: the defaults with Thunder's whole torch.compile executor first, as
+      ``benchmark_litgpt.py``'s ``thunder_inductor`` lists it (it claims attention ahead of the attention executors,
+      without a grad rule: ``attention``);
     - ``fused``: Thunder's strongest configuration: attention through torch's cuDNN kernels where torch would run
       them (``cudnn_attention``), then Thunder's attention executors (cuDNN's where installed, sdpa), then
       one fusion executor for the rest (nvFuser where a matching build is installed, else Thunder's torch.compile
@@ -88,6 +91,10 @@ def executors(choice: str) -> list:
     chosen = list(thunder.get_default_executors())
     if choice == "default+cat":
         chosen.insert(0, _cat_executor())
+    elif choice == "default+inductor":
+        from thunder.executors.torch_compile import torch_compile_ex
+
+        chosen.insert(0, torch_compile_ex)
     elif choice == "fused":
         from thunder.executors.torch_compile import torch_compile_xentropy_ex
 
