@@ -58,6 +58,12 @@ class FSDPMemoryTransform(Transform):
     as a chunked linear cross-entropy (``MemoryConfig.chunk_loss``, on by default): one chunk of logits alive at a
     time; its results differ from Thunder's loss by rounding (``docs/accuracy.md``).
 
+    Where a fusion executor listed ahead of the attention executors claims attention without a grad rule (Thunder
+    would differentiate its decomposition and save its (T, T) probabilities), it has the first attention executor
+    listed that accepts the call run it, forward and backward (``MemoryConfig.route_attention``, on by default; the
+    results are that executor's). Attention that nothing can run so is decomposed, and the cut recomputes its
+    probabilities in backward from the query and key, bit for bit.
+
     It runs each 16-bit elementwise op that Thunder brackets between float32 casts as one op where ATen gives the
     same bits (``MemoryConfig.fold_casts``); it chooses what the forward saves for backward
     (``MemoryConfig.rematerialize``, ``recompute_weight``); it orders each trace for a lower peak (``reorder``);
