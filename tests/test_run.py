@@ -144,3 +144,36 @@ def test_executors_replaced_everywhere_and_said(tmp_path, capsys):
     assert done["executors"][0] == "torchcompile_cat_named" and done["program_executors"]
     err = capsys.readouterr().err
     assert "executors changed from the program's: [" in err and "replaced by [torchcompile_cat_named" in err
+
+
+FSDP = """
+    import os, sys, thunder, torch, torch.distributed as dist
+    from thunder.distributed import FSDPType, fsdp
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    jitted = fsdp(thunder.jit(model), device=torch.device("cpu"), sharding_strategy=FSDPType.ZERO3)
+    jitted(torch.randn(4, 8)).sum().backward()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_runs_the_program_and_rank_0_says_what_was_done(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks.launch import torchrun
+
+    script = _script(tmp_path, "fsdp.py", FSDP)
+    root = str(Path(__file__).resolve().parent.parent)
+    cmd = torchrun(2, "-m", "thunder_fsdp_mem.run", "--json", str(tmp_path / "r{rank}.json"), "--", script)
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Thunder's fsdp jits the module again with its transform added: still one function, with one transform.
+    assert proc.stderr.count("thunder-fsdp-mem run: FSDPMemoryTransform (the defaults) in 1 Thunder function(s)") == 1
+    for rank in (0, 1):
+        (compiled,) = json.loads((tmp_path / f"r{rank}.json").read_text())["compiled"]
+        assert compiled["kind"] == "thunder.jit" and "all-gathers" in compiled["applied"], compiled

@@ -5,7 +5,9 @@ Every way into Thunder ends in ``thunder.jit``: the program's own calls, ``Thund
 ``fsdp`` over a jitted module. ``injected(config, executors=...)`` patches that one function for as long as it is
 entered: each call gets a new ``FSDPMemoryTransform(config)`` after the transforms the program passed (none is added
 where the program passed one already), and, where ``executors`` names a choice of ``training.runtime.executors``,
-that list instead of the program's. ``Injection.programs`` lists what was compiled, in order (``Program``).
+that list instead of the program's. A call that passes a transform of ours again (Thunder's ``fsdp`` jits the module
+again with its own transform added) is the same function, not a new one. ``Injection.programs`` lists what was
+compiled, in order (``Program``).
 
 A program that imported ``thunder.jit`` under another name before the patch (``from thunder import jit`` at the top
 of a module imported earlier) keeps the original; the runner patches before it runs the program, so the program's
@@ -62,14 +64,17 @@ def injected(config: MemoryConfig, *, executors: str | None = None) -> Iterator[
     def jit(fn, /, *args, transforms=None, executors=None, **kwargs):
         transforms = list(transforms or [])  # a fresh list: Thunder keeps and appends to the one it is given
         own = next((t for t in transforms if isinstance(t, FSDPMemoryTransform)), None)
+        again = own is not None and any(p.transform is own for p in injection.programs)
+        replaced = None
+        if chosen is not None:
+            replaced = None if again else tuple(_names(executors))
+            executors = list(chosen)
+        if again:  # Thunder jits a function of ours again (its fsdp adds a transform so): the same function
+            return original(fn, *args, transforms=transforms, executors=executors, **kwargs)
         ours = None
         if own is None:
             ours = FSDPMemoryTransform(config)
             transforms.append(ours)
-        replaced = None
-        if chosen is not None:
-            replaced = tuple(_names(executors))
-            executors = list(chosen)
         kind = "ThunderFX subgraph" if isinstance(fn, torch.fx.GraphModule) else "thunder.jit"
         injection.programs.append(Program(kind, ours, own, replaced))
         return original(fn, *args, transforms=transforms, executors=executors, **kwargs)
