@@ -11,69 +11,17 @@ import torch
 import torch.nn.functional as F
 from litgpt import GPT
 from thunder.core.proxies import TensorProxy
-from thunder.core.transforms import get_grad, put_grads
 from thunder.executors.torch_compile import torch_compile_ex
-from thunder.extend import OperatorExecutor, deregister_executor, register_executor
 
+from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.training import models, runtime
 
-# An attention executor for CPU tensors, as Thunder's sdpa executor is for CUDA ones: torch's CPU flash attention
-# and its backward, which saves the log-sum-exp and never the probabilities.
-cpu_attention_ex = OperatorExecutor("test_cpu_flash_attention", version="0.1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _known_to_thunder():
-    """Registered (not among the defaults), as an installed executor is, while this module's tests run: other test
-    files in the same process must not find it."""
-    register_executor(cpu_attention_ex)
-    yield
-    deregister_executor(cpu_attention_ex)
-
-
-def _forward_meta(q, k, v, is_causal, scale):
-    return TensorProxy(like=q), TensorProxy(like=q, shape=q.shape[:-1], dtype=thunder.dtypes.float32)
-
-
-def _forward_impl(q, k, v, is_causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal, scale=scale)
-    return out, lse
-
-
-def _backward_impl(g, q, k, v, out, lse, is_causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, out, lse, 0.0, is_causal, scale=scale
-    )
-
-
-_forward = cpu_attention_ex.register_operator("test_cpu_flash_forward", meta=_forward_meta, fn=_forward_impl)
-_backward = cpu_attention_ex.register_operator(
-    "test_cpu_flash_backward",
-    meta=lambda g, q, k, v, out, lse, is_causal, scale: (TensorProxy(like=q), TensorProxy(like=k), TensorProxy(like=v)),
-    fn=_backward_impl,
-)
-
-
-def _accepts(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    return attn_mask is None and dropout_p == 0.0
-
-
-def _grad(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
-    out, lse = _forward(query, key, value, is_causal, scale)
-    put_grads((query, key, value), _backward(get_grad(out), query, key, value, out, lse, is_causal, scale))
-    return out
-
-
-cpu_attention_ex.register_implementation(
-    ltorch.scaled_dot_product_attention,
-    checker=_accepts,
-    execution_transform=lambda q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None: _forward(
-        q, k, v, is_causal, scale
-    )[0],
-    grad_transform=_grad,
-)
+# An attention executor for CPU tensors, as Thunder's sdpa executor is for CUDA ones (torch's CPU flash attention and
+# its backward, which saves the log-sum-exp and never the probabilities): the upstream reproducer's, registered with
+# Thunder when it is loaded, as an installed executor is (not among the defaults).
+cpu_attention_ex = upstream().cpu_attention
 
 
 def _attention(q, k, v):
@@ -101,9 +49,7 @@ def test_attention_claimed_first_without_a_grad_rule_runs_on_the_attention_execu
     assert (1, 2, 128, 128) not in routed_shapes
     assert torch.equal(routed, first) and all(torch.equal(a, b) for a, b in zip(routed_grads, first_grads))
     assert not torch.equal(routed_grads[0], grads[0]) or not torch.equal(routed, out)  # another kernel's rounding
-    assert "1 call of scaled_dot_product_attention (1, 2, 128, ...) f32 on test_cpu_flash_attention" in (
-        transform.summary()
-    )
+    assert "1 call of scaled_dot_product_attention (1, 2, 128, ...) f32 on cpu_attention" in (transform.summary())
     left = FSDPMemoryTransform(MemoryConfig(route_attention=False, rematerialize=False))
     _, _, kept = _step([torch_ex, cpu_attention_ex], [left])
     assert (1, 2, 128, 128) in kept
@@ -127,7 +73,7 @@ def test_no_attention_executor_that_accepts_it_is_said():
     _step([thunder.extend.get_executor("torch")], [transform])
     (note,) = [r.note for r in transform.rewrites if r.pass_name == "attention executor"]
     assert "claimed by torch, which has no grad rule for it" in note and "128.00 KiB of (T, T) probabilities" in note
-    assert "list test_cpu_flash_attention ahead of torch" in note  # registered, accepts it, not listed
+    assert "list cpu_attention ahead of torch" in note  # registered, accepts it, not listed
 
 
 @pytest.mark.parametrize("route", [True, False], ids=["routed", "as-listed"])
