@@ -142,6 +142,11 @@ def test_executors_replaced_everywhere_and_said(tmp_path, capsys):
     done = json.loads(record.read_text())
     assert ran["executors"][: len(done["executors"])] == done["executors"]
     assert done["executors"][0] == "torchcompile_cat_named" and done["program_executors"]
+    # A pass before autograd (the loss chunked, LossModel's cross-entropy) is applied, and what it did said.
+    (compiled,) = done["compiled"]
+    assert "chunked loss" in compiled["applied"] and any(
+        n.startswith("chunked loss: f32 logits") for n in compiled["notes"]
+    )
     err = capsys.readouterr().err
     assert "executors changed from the program's: [" in err and "replaced by [torchcompile_cat_named" in err
 

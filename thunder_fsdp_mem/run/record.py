@@ -121,21 +121,27 @@ def as_json(r: Record) -> dict:
 
 
 def _compiled(kind: str, transform: FSDPMemoryTransform, *, own: bool) -> Compiled:
-    """The last pair's figures: the first estimate of the passes (before any) and the last applied one's (after)."""
+    """The last pair's figures (the first estimate of the passes, before any, and the last applied one's, after), the
+    passes applied to it, and what the passes said that the figures do not: what one before autograd did, what one
+    left or refused, and why."""
     last_pair = max((r.pair for r in transform.rewrites), default=0)
     last = [r for r in transform.rewrites if r.pair == last_pair]
     estimated = [r for r in last if r.peak_before is not None]
-    applied = [r for r in estimated if r.outcome is Outcome.APPLIED]
-    first = estimated[0] if estimated else None
-    said = [r for r in last if r.outcome in (Outcome.LEFT, Outcome.REFUSED) or (r.peak_before is None and r.note)]
+    kept = [r for r in estimated if r.outcome is Outcome.APPLIED]
+    peak = saved = (None, None)
+    if estimated:
+        first = estimated[0]
+        peak = (first.peak_before, kept[-1].peak_after if kept else first.peak_before)
+        saved = (first.saved_before, kept[-1].saved_after if kept else first.saved_before)
+    said = [r for r in last if r.note and (r.outcome in (Outcome.LEFT, Outcome.REFUSED) or r.peak_before is None)]
     return Compiled(
         kind=kind,
         pairs=transform.pairs,
-        peak_before=first and first.peak_before,
-        peak_after=applied[-1].peak_after if applied else first and first.peak_before,
-        saved_before=first and first.saved_before,
-        saved_after=applied[-1].saved_after if applied else first and first.saved_before,
-        applied=tuple(dict.fromkeys(r.pass_name for r in applied)),
+        peak_before=peak[0],
+        peak_after=peak[1],
+        saved_before=saved[0],
+        saved_after=saved[1],
+        applied=tuple(dict.fromkeys(r.pass_name for r in last if r.outcome is Outcome.APPLIED)),
         notes=tuple(_note(r) for r in said if r.outcome is not Outcome.UNCHANGED),
         own=own,
     )
