@@ -125,7 +125,9 @@ def traffic_equivalent(bsym, rates: DeviceRates = H200) -> int:
     """The bytes a memory-bound op that takes as long as ``bsym`` would read and write: its own traffic where its
     arithmetic is faster than its traffic (every op without matmuls or attention), its time at the device's bandwidth
     otherwise. The minimum cut prices a recomputation in these bytes."""
-    return max(op_traffic(bsym), round(op_seconds(bsym, rates) * rates.bandwidth))
+    flops, dtype = op_flops(bsym)
+    traffic = op_traffic(bsym)
+    return max(traffic, round(flops / rates.flops(dtype) * rates.bandwidth)) if flops else traffic
 
 
 def op_seconds(bsym, rates: DeviceRates = H200) -> float:
