@@ -293,6 +293,15 @@ def _region_workspace(subsymbols, inputs: set[str], root: dict, size: dict, allo
     return max(0, most - sum(allocated.values()))
 
 
+def storage_roots(subsymbols, inputs: Sequence[TensorLike]) -> dict[str, str]:
+    """For each tensor a region's ``subsymbols`` make or read, the tensor whose storage it uses (itself where it is
+    a new allocation), its inputs taken as contiguous: a view or a viewable reshape shares its base's root."""
+    strides = {a.name: layout.contiguous_strides(shape(a)) for a in inputs}
+    root = {a.name: a.name for a in inputs}
+    _trace_views(subsymbols, strides, root, {})
+    return root
+
+
 def _trace_views(bsyms, strides: dict, root: dict, size: dict) -> None:
     """Follow views through a region's subsymbols: ``root[name]`` is the tensor whose storage ``name`` uses."""
     for sub in bsyms:

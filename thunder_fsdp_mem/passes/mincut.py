@@ -34,6 +34,12 @@ memory budget. With ``segments=True``, an argument of a recomputed expensive op 
 another recomputed expensive op is saved instead, so that each is recomputed from saved tensors and cheap ops
 alone, just before the backward needs it (as activation checkpointing recomputes a block from its saved input).
 
+Fusion regions that run matmuls and cheap ops both are opened (``regions.opened``, without a price): the cut runs
+on their subsymbols, recomputes cheap ops only from what the region's kernels hold in memory (its arguments, its
+matmuls' outputs and views of them), saves only what the region returns or stores, never a view of a matmul's
+output, and prices each op at what the new backward region writes of the region's outputs (``regions``' docstring
+says why each rule keeps the bits).
+
 ``recomputed_groups(forward, plan)`` says what a plan has the backward run again, by op and source line;
 ``recomputable`` and ``priced`` say which symbols the cut may recompute, without and with a price. The plan is
 applied by ``plan_rewrite.apply_plan``. Pure: the trace is read, not changed.
@@ -72,6 +78,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     sym_id,
 )
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
+from thunder_fsdp_mem.passes.regions import Opened, opened, regions_traffic
 
 # Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
 # factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
@@ -117,10 +124,12 @@ class SavePlan:
     """What the forward saves and what the backward recomputes.
 
     saved: names of the tensors the forward returns for backward, in order.
-    recompute: indices, in the forward's bound symbols, of the symbols the backward runs again (forward order).
+    recompute: indices, in the forward's bound symbols (in ``opened.symbols`` where the cut opened the forward's
+        fusion regions), of the symbols the backward runs again (forward order).
     before_bytes / after_bytes: saved bytes beyond the forward's inputs, today and with the plan.
     traffic_bytes: what the recomputation reads and writes (``cost.op_traffic``), its cost.
     seconds: its estimated time on the device the plan was priced for (``cost.op_seconds``).
+    opened: the forward's regions as the cut opened them (``regions.opened``), None where it did not.
     """
 
     saved: tuple[str, ...]
@@ -129,6 +138,11 @@ class SavePlan:
     after_bytes: int
     traffic_bytes: int = 0
     seconds: float = 0.0
+    opened: Opened | None = None
+
+    def symbols(self, forward: TraceCtx):
+        """The symbols ``recompute`` indexes: the forward's, or, where the cut opened its regions, those it cut."""
+        return self.opened.symbols if self.opened is not None else forward.bound_symbols
 
     @property
     def changes(self) -> bool:
@@ -207,7 +221,9 @@ def plan_saved(
     expensive op is recomputed from another (see the module's docstring); ``only``: the indices of the expensive
     ops the price may recompute (None: all)."""
     saved = saved_tensors(forward)
-    bsyms = forward.bound_symbols
+    regions = opened(forward.bound_symbols) if price is None else None
+    bsyms = regions.symbols if regions is not None else forward.bound_symbols
+    inside = regions.inside if regions is not None else (lambda i: False)
     producer: dict[str, int] = {}
     inputs: set[str] = set()
     written: set[str] = set()  # destinations of in-place copies: their value changes, never recompute from them
@@ -226,6 +242,11 @@ def plan_saved(
             continue
         if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
+        if inside(i):
+            can[i] = regions.may_recompute(i)
+            for o in bsym.flat_proxy_outs:
+                producer.setdefault(o.name, i)
+            continue
         can[i] = recomputable(bsym) or expanding(bsym)
         if not can[i] and price is not None and priced(bsym) and (only is None or i in only):
             can[i] = dear[i] = True
@@ -238,12 +259,18 @@ def plan_saved(
     required = {t.name for t in saved}
     today = sum(nbytes(t) for t in saved if t.name not in inputs)
     graph = nx.DiGraph()
+    computed = set()  # made inside an opened region, not in memory as the region's ops used it: never recompute from
+    if regions is not None:
+        computed = {n for n, i in producer.items() if inside(i) and n not in regions.stored}
     for name, t in tensors.items():
         free = name in inputs
-        # Doubled sizes, less one for what is saved today: ties keep today's choice.
-        graph.add_edge(
-            (name, "in"), (name, "out"), capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0)
-        )
+        if (name in computed and name not in regions.returned) or (regions is not None and name in regions.views):
+            graph.add_edge((name, "in"), (name, "out"))  # unbounded: stored anew by the region, or a view
+        else:
+            # Doubled sizes, less one for what is saved today: ties keep today's choice.
+            graph.add_edge(
+                (name, "in"), (name, "out"), capacity=0 if free else 2 * nbytes(t) - (1 if name in required else 0)
+            )
         if free or name not in producer or not can[producer[name]]:
             graph.add_edge(_SOURCE, (name, "in"))
     for i, bsym in enumerate(bsyms):
@@ -252,12 +279,16 @@ def plan_saved(
         # The symbol is a node of its own, cut from the source (at its traffic's price) when it runs again.
         if dear[i]:
             cost = max(1, round(2 * price * op_seconds(bsym, rates)))
+        elif inside(i):  # one kernel runs the region's recomputed ops: what it writes of what the region returns
+            returned = sum(nbytes(o) for o in bsym.flat_proxy_outs if o.name in regions.returned)
+            cost = round(2 * recompute_weight * returned)
         else:
             cost = round(2 * recompute_weight * traffic_equivalent(bsym, rates))
         if cost:
             graph.add_edge(_SOURCE, ("op", i), capacity=cost)
         for a in bsym.flat_proxy_args:
-            graph.add_edge((a.name, "out"), ("op", i))
+            # A value an opened region computed is recomputed with the op that reads it, never read saved.
+            graph.add_edge((a.name, "in" if inside(i) and a.name in computed else "out"), ("op", i))
         for o in bsym.flat_proxy_outs:
             if isinstance(o, TensorProxy) and o.name not in inputs:
                 graph.add_edge(("op", i), (o.name, "in"))
@@ -274,8 +305,12 @@ def plan_saved(
     order = {t.name: k for k, t in enumerate(saved)}
     kept = sorted((n for n in chosen if n in needed), key=lambda n: (order.get(n, len(order)), producer.get(n, -1)))
     after = sum(nbytes(tensors[n]) for n in kept if n not in inputs)
-    traffic = sum(op_traffic(bsyms[i]) for i in recompute)
-    seconds = sum(op_seconds(bsyms[i], rates) for i in recompute)
+    top = [i for i in recompute if not inside(i)]
+    traffic = sum(op_traffic(bsyms[i]) for i in top)
+    seconds = sum(op_seconds(bsyms[i], rates) for i in top)
+    if regions is not None:  # the opened regions' recomputed ops run as one kernel per region
+        fused = regions_traffic(regions, sorted(recompute), required)
+        traffic, seconds = traffic + fused, seconds + fused / rates.bandwidth
     return SavePlan(
         saved=tuple(kept),
         recompute=tuple(sorted(recompute)),
@@ -283,6 +318,7 @@ def plan_saved(
         after_bytes=after,
         traffic_bytes=traffic,
         seconds=seconds,
+        opened=regions,
     )
 
 
@@ -331,7 +367,7 @@ def recomputed_groups(forward: TraceCtx, plan: SavePlan, rates: DeviceRates = H2
     block), the dearest first, with each group's estimated time on a device of ``rates``."""
     groups: dict[tuple[str, str | None], list[float]] = {}
     for i in plan.recompute:
-        bsym = forward.bound_symbols[i]
+        bsym = plan.symbols(forward)[i]
         line = bsym.source_positions.lineno if bsym.source_positions else None
         source = f"{bsym.source_filename}:{line}" if bsym.source_filename else None
         groups.setdefault((bsym.sym.name, source), []).append(op_seconds(bsym, rates))

@@ -4,7 +4,8 @@ recomputes the rest.
 ``apply_plan(forward, backward, plan) -> (forward, backward)`` rewrites both traces: the forward returns the new
 saved tensors; the backward unpacks them and recomputes the rest just before their first use, by copies of the
 forward's own bound symbols (the same executor calls on the same values, so the backward computes bit for bit what
-it did before); a recomputed symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is
+it did before), or, where the cut opened the forward's fusion regions, by new regions of their recomputed ops
+(``regions.closed``); a recomputed symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is
 dropped, and ``del``s and collection clears are placed again as Thunder's ``del_last_used`` places them
 (``edit.dels_at_last_use``). ``received(backward)`` and ``unpacking(bsyms)`` read where a backward unpacks its saved
 tensors. The plan comes from ``mincut.plan_saved`` (rematerialization), or is built by a pass that moves
@@ -31,14 +32,21 @@ from thunder_fsdp_mem.analysis.symbols import (
 )
 from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use, fusion_for
 from thunder_fsdp_mem.passes.mincut import PlanError, SavePlan, recomputable
+from thunder_fsdp_mem.passes.regions import closed
 
 
 def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:
     """Both traces rewritten for ``plan``: the forward returns ``plan.saved``; the backward unpacks them and runs
     the forward's symbols ``plan.recompute`` again, each just before the first use of what it computes."""
-    fw_bsyms = without_dels(forward.bound_symbols)
+    bw = without_dels(backward.bound_symbols)
+    if plan.opened is None:
+        fw_all, recomputed = forward.bound_symbols, [forward.bound_symbols[i] for i in plan.recompute]
+    else:  # the regions the cut opened: closed again, their recomputed ops as new regions
+        wanted = {p.name for b in bw for p in b.flat_proxy_args}
+        fw_all, recomputed = closed(forward.bound_symbols, plan.opened, plan.saved, plan.recompute, wanted)
+    fw_bsyms = without_dels(fw_all)
     by_name = {}
-    for b in forward.bound_symbols:
+    for b in fw_all:
         for p in (*b.flat_proxy_args, *b.flat_proxy_outs):
             by_name.setdefault(p.name, p)
     ret = fw_bsyms[-1]
@@ -51,16 +59,15 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
         TraceProvenance(f"{PROVENANCE}: saves {plan.after_bytes} bytes for backward instead of {plan.before_bytes}")
     )
 
-    bw = without_dels(backward.bound_symbols)
     unpack_at = _receive(bw, new_saved)
     new_backward = from_trace(backward)
     new_backward.args = ([list(new_saved), *backward.args[0][1:]], *backward.args[1:])
     defined = {p.name for b in bw[: unpack_at + 1] for p in b.flat_proxy_outs}
-    read = {p.name for b in (*bw, *(forward.bound_symbols[i] for i in plan.recompute)) for p in b.flat_proxy_args}
+    read = {p.name for b in (*bw, *recomputed) for p in b.flat_proxy_args}
     clones = []
     with tracectx(new_backward):
-        for i in plan.recompute:
-            clones.append(_clone(_what_is_read(forward.bound_symbols[i], read - defined), defined, new_backward))
+        for bsym in recomputed:
+            clones.append(_clone(_what_is_read(bsym, read - defined), defined, new_backward))
     new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
     new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
     new_backward = dels_at_last_use(new_backward, clear_mutable_collections=True)

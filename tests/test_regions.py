@@ -1,0 +1,128 @@
+"""The cut through opened fusion regions (``passes/regions.py``): where one fusion region runs a block's matmuls and
+the cheap ops between them, the forward saves a matmul's output and the backward recomputes the GELU and the rotary
+embedding from it, bit for bit what the forward computed.
+
+FSDP2's path (a ThunderFX graph per block) with Thunder's torch.compile executor after an attention executor (on CPU
+the upstream reproducer's, torch's CPU flash kernels; on CUDA cuDNN's), so that the block's forward is two regions
+around attention, as on a GPU: bfloat16, where a fusing compiler rounds only what it stores."""
+
+import dataclasses
+
+import pytest
+import thunder
+import torch
+from litgpt import GPT
+from thunder.core.proxies import TensorProxy
+from thunder.dynamo import ThunderCompiler
+
+from configs import NEOX
+from support import upstream
+from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
+from thunder_fsdp_mem.analysis.symbols import is_fusion
+from thunder_fsdp_mem.passes.regions import opened
+from thunder_fsdp_mem.predict.meta import as_on
+from thunder_fsdp_mem.training import models, runtime
+
+SPEC = dataclasses.replace(NEOX, n_layers=1)  # C 128, 4 heads of 32, MLP 512, T 64
+
+
+def _executors():
+    return [upstream().cpu_attention, *runtime.executors("fused")]
+
+
+def _block(config: MemoryConfig | None):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    gpt = GPT(SPEC.config()).to(torch.bfloat16)
+    transforms = [FSDPMemoryTransform(config)] if config is not None else []
+    backend = ThunderCompiler(executors=_executors(), transforms=transforms)
+    block = gpt.transformer.h[0]
+    T = SPEC.block_size
+    x = torch.randn(1, T, gpt.config.n_embd, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.compile(block, backend=backend)(x, gpt.cos[:T].unsqueeze(0), gpt.sin[:T].unsqueeze(0))
+    y.backward(torch.randn_like(y))
+    (fn,) = [fn for info in backend.subgraph_infos for fn in (info.thunder_compiled_fns or [])]
+    forward, backward = thunder.last_traces(fn)[-1], thunder.last_backward_traces(fn)[-1]
+    grads = [x.grad, *(p.grad for p in block.parameters())]
+    return y.detach(), grads, forward, backward
+
+
+def _activations(forward) -> list[tuple[int, ...]]:
+    """Shapes of the saved tensors the forward computes (not its arguments: the block's input, its parameters)."""
+    arguments = {a.name for a in forward.args if isinstance(a, TensorProxy)}
+    saved = forward.bound_symbols[-1].args[1][0]
+    return sorted(tuple(t.shape) for t in saved if isinstance(t, TensorProxy) and t.name not in arguments)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {
+        "plain": _block(None),
+        "no fusion remat": _block(MemoryConfig(fusion_rematerialize=False, strict=True)),
+        "fusion remat alone": _block(MemoryConfig(rematerialize=False, strict=True)),
+        "default": _block(MemoryConfig(strict=True)),
+    }
+
+
+def _equal(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def test_recomputing_inside_regions_keeps_the_bits(runs):
+    assert _equal(runs["plain"], runs["no fusion remat"])  # every pass but Thunder's own fusion rematerialization
+    assert _equal(runs["fusion remat alone"], runs["default"])  # the cut adds no rounding to Thunder's
+    forward = runs["plain"][2]
+    assert sum(is_fusion(b) for b in forward.bound_symbols) == 2  # two regions, attention between them
+
+
+def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs):
+    C, H, T, hs, mlp = 128, 4, 64, 32, 512
+    # Thunder alone saves, among others, the GELU's input and output, and the rotated query and key.
+    plain = _activations(runs["fusion remat alone"][2])
+    assert plain.count((1, T, mlp)) == 2 and plain.count((1, H, T, hs)) == 4
+    # With the cut: the two matmuls' outputs the backward recomputes from (qkv, the MLP's first), the attention's
+    # output and log-sum-exp, and the layer norms' statistics.
+    big = [s for s in _activations(runs["default"][2]) if len(s) > 2 and s[-1] > 1]
+    assert big == sorted([(1, T, 3 * C), (1, T, mlp), (1, H, T, hs), (1, H, T)]), big
+    backward = runs["default"][3]
+    recomputing = [
+        b for b in backward.bound_symbols if is_fusion(b) and not any(s.sym.name == "linear" for s in b.subsymbols)
+    ]
+    ops = {s.sym.name for b in recomputing for s in b.subsymbols}
+    assert {"erf", "cat"} <= ops, ops  # the GELU, the rotary embedding's concatenation
+
+
+def test_a_trace_without_mixed_regions_is_not_opened(runs):
+    forward = runs["plain"][2]
+    regions = opened(forward.bound_symbols)
+    assert regions is not None and regions.stored and regions.views
+    unfused = [b for b in forward.bound_symbols if not is_fusion(b)]
+    assert opened(unfused) is None
+
+
+def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():
+    # One H100's traces (meta device), the project's fused executors, stablecode-3b's block as FSDP2 runs it: the
+    # forward saves (beyond its arguments) qkv's output (1, T, 3C), the MLP's first matmul's output (1, T, 4C),
+    # the attention's output and log-sum-exp, and the layer norms' statistics: 321 MiB, as with Thunder's default
+    # executors, where 561 MiB were saved before (the GELU's output and the rotated query and key, 240 MiB).
+    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
+    executors = runtime.executors("fused")
+    transform = FSDPMemoryTransform()
+    with as_on("cuda", executors):
+        with torch.device("meta"):
+            gpt = GPT(spec.config()).to(torch.bfloat16)
+        torch._dynamo.reset()
+        backend = ThunderCompiler(executors=executors, transforms=[transform])
+        T = spec.block_size
+        x = torch.empty(1, T, 2560, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        y = torch.compile(gpt.transformer.h[0], backend=backend)(x, gpt.cos[:T].unsqueeze(0), gpt.sin[:T].unsqueeze(0))
+        y.backward(torch.empty_like(y))
+    (fn,) = [fn for info in backend.subgraph_infos for fn in (info.thunder_compiled_fns or [])]
+    forward = thunder.last_traces(fn)[-1]
+    arguments = {a.name for a in forward.args if isinstance(a, TensorProxy)}
+    saved = [t for t in forward.bound_symbols[-1].args[1][0] if isinstance(t, TensorProxy) and t.name not in arguments]
+    MiB = 2**20
+    assert sorted(tuple(t.shape) for t in saved if t.numel * t.dtype.bytes >= MiB) == sorted(
+        [(1, T, 7680), (1, T, 10240), (1, 32, T, 80), (1, 32, T, 1)]
+    )
+    assert sum(t.numel * t.dtype.bytes for t in saved) == (120 + 160 + 40 + 1) * MiB + 4 * T * 4
