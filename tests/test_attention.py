@@ -13,6 +13,7 @@ from litgpt import GPT
 from thunder.core.proxies import TensorProxy
 from thunder.executors.torch_compile import torch_compile_ex
 
+from configs import SOFTCAP_TIED
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
@@ -121,9 +122,36 @@ def test_soft_capped_attention_saves_no_probabilities_at_8192_tokens():
         return [tuple(s.shape) for s in tensors if isinstance(s, TensorProxy) and tuple(s.shape)[-2:] == (8192, 8192)]
 
     assert (1, 8, 8192, 8192) in saved([])  # the scores, their soft-cap and the probabilities, per head
-    # With the transform none per head is saved. What stays is litgpt's causal mask, (1, 1, T, T), which it builds
-    # per block with an in-place fill: the cut does not recompute what an in-place copy writes.
-    assert saved([FSDPMemoryTransform()]) == [(1, 1, 8192, 8192)]
+    # With the transform none is saved: not per head, and not litgpt's causal mask, (1, 1, T, T), which it builds per
+    # block with an in-place fill (``ones(T, T).triu(1)``, then ``masked_fill_``): the backward builds it again.
+    assert saved([FSDPMemoryTransform()]) == []
+
+
+def test_soft_capped_attention_and_its_mask_are_rebuilt_in_backward_bit_for_bit():
+    # The same attention on CPU at 128 tokens (2 heads of 32): Thunder saves the scores, their soft-cap and the
+    # probabilities, per head, and the causal mask; with the transform the backward builds them all again from the
+    # saved query and key (the mask with its in-place fill, into a tensor it makes for it), and computes the loss and
+    # every gradient bit for bit, in float32 and in bfloat16.
+    spec = dataclasses.replace(SOFTCAP_TIED, overrides=(*SOFTCAP_TIED.overrides, ("sliding_window_size", None)))
+    T = spec.block_size
+
+    def step(transforms, dtype):
+        torch.manual_seed(0)
+        gpt = GPT(spec.config()).to(dtype)
+        jitted = thunder.jit(gpt, executors=list(thunder.get_default_executors()), transforms=transforms)
+        idx, targets = models.batch(spec)
+        logits = jitted(idx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        loss.backward()
+        saved = thunder.last_traces(jitted)[-1].bound_symbols[-1].args[1][0]
+        square = [s for s in (tuple(t.shape) for t in saved if isinstance(t, TensorProxy)) if s[-2:] == (T, T)]
+        return loss.detach(), [p.grad for p in gpt.parameters()], [s for s in square if len(s) == 4]  # not (1, T, C)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        loss, grads, square = step([], dtype)
+        loss_t, grads_t, square_t = step([FSDPMemoryTransform(MemoryConfig(strict=True))], dtype)
+        assert (1, 2, T, T) in square and square_t == [], (square, square_t)
+        assert torch.equal(loss, loss_t) and all(torch.equal(a, b) for a, b in zip(grads, grads_t))
 
 
 def test_routed_symbols_are_one_per_attention_executor():

@@ -43,7 +43,8 @@ def runs():
     default = FSDPMemoryTransform()
     ours = repro.run_block([default], **SIZE)
     opted_out = repro.run_block([FSDPMemoryTransform(MemoryConfig(fusion_rematerialize=False))], **SIZE)
-    return stock, fixed, ours, opted_out, default
+    alone = repro.run_block([FSDPMemoryTransform(MemoryConfig(rematerialize=False))], **SIZE)  # the fusion pass
+    return stock, fixed, ours, opted_out, default, alone
 
 
 def test_the_patch_makes_thunder_save_less(runs):
@@ -52,16 +53,20 @@ def test_the_patch_makes_thunder_save_less(runs):
 
 
 def test_the_default_transform_computes_what_the_patched_thunder_computes_bit_for_bit(runs):
-    stock, fixed, ours, _, transform = runs
+    stock, fixed, ours, _, transform, alone = runs
     (record,) = [r for r in transform.rewrites if r.pass_name == FUSIONS]
     assert record.outcome is Outcome.APPLIED
-    assert _saved(ours[0]) == _saved(fixed[0])
+    assert _saved(alone[0]) == _saved(fixed[0])  # the fusion pass saves what the patched Thunder saves
+    assert _bitwise(alone, fixed)
+    # The cut through the regions then saves less (the GELU and the rotary embedding recomputed from the matmuls'
+    # outputs, ``passes/regions.py``), with the same bits.
+    assert _saved(ours[0]) < _saved(fixed[0])
     assert _bitwise(ours, fixed)
 
 
 def test_the_opt_out_keeps_thunders_results_bit_for_bit(runs):
-    stock, _, _, opted_out, _ = runs
-    assert _saved(opted_out[0]) == _saved(stock[0])  # the pass did not run
+    stock, _, _, opted_out, *_ = runs
+    assert _saved(opted_out[0]) < _saved(stock[0])  # the cut through the regions, not the fusion pass
     assert _bitwise(opted_out, stock)
 
 

@@ -80,8 +80,9 @@ from thunder_fsdp_mem.analysis.symbols import (
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
 from thunder_fsdp_mem.passes.regions import Opened, opened, regions_traffic
 
-# Cheap to recompute, and deterministic: elementwise ops and casts, views and reshapes, concatenation and padding,
-# factories without randomness, and reductions (whose outputs are small and whose cost is one read of the input).
+# Cheap to recompute, and deterministic: elementwise ops and casts (``Tensor.bool()`` and its kind too), views and
+# reshapes, concatenation and padding, factories without randomness, and reductions (whose outputs are small and
+# whose cost is one read of the input).
 RECOMPUTABLE_OPS = (
     ELEMENTWISE_OPS
     | (VIEW_OPS - WAITS)
@@ -95,6 +96,16 @@ RECOMPUTABLE_OPS = (
             "pad",
             "arange",
             "full",
+            "full_like",
+            "ones",
+            "ones_like",
+            "zeros",
+            "zeros_like",
+            "bool",
+            "float",
+            "half",
+            "bfloat16",
+            "double",
             "sum",
             "var_mean",
             "mean",
@@ -177,19 +188,23 @@ def recomputable(bsym) -> bool:
 
 
 def expanding(bsym) -> bool:
-    """True for a matmul whose output has at least ``EXPANSION`` times the elements of its tensor arguments together
-    (attention's scores, where no attention executor runs attention: a fusion executor listed ahead of it, a mask,
-    a soft-cap): what the forward would save of it grows as T x T while its arguments grow as T. The cut may recompute
-    it like a cheap op, at the price of the bytes a memory-bound op of its time would move
+    """True for a matmul whose output has at least ``EXPANSION`` times the elements of its tensor arguments together,
+    or a batched ``matmul`` whose output is square in its last two dimensions and larger than what it contracts over:
+    attention's scores, where no attention executor runs attention (a fusion executor listed ahead of it, a mask, a
+    soft-cap), q @ k^T, (T, d) by (d, T). What the forward would save of it grows as T x T while its arguments grow as
+    T. The cut may recompute it like a cheap op, at the price of the bytes a memory-bound op of its time would move
     (``cost.traffic_equivalent``), so that the backward runs it again from the saved query and key rather than keep
-    the (T, T) probabilities alive from the forward (as flash attention's backward recomputes them)."""
+    the (T, T) probabilities alive from the forward (as flash attention's backward recomputes them), at any T."""
     if sym_id(bsym) not in MATMULS or is_fusion(bsym):
         return False
     args = bsym.flat_proxy_args
     if not args or any(not isinstance(a, TensorProxy) for a in args):
         return False
-    inputs = sum(numel(a) for a in args)
-    return sum(numel(o) for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)) >= EXPANSION * inputs
+    outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+    if sum(numel(o) for o in outs) >= EXPANSION * sum(numel(a) for a in args):
+        return True
+    out, first = (outs[0].shape, args[0].shape) if len(outs) == 1 else ((), ())
+    return sym_id(bsym) == "matmul" and len(out) >= 3 and out[-1] == out[-2] > first[-1]
 
 
 def priced(bsym) -> bool:
@@ -253,7 +268,12 @@ def plan_saved(
         for o in bsym.flat_proxy_outs:
             producer.setdefault(o.name, i)
     inputs.update(a.name for a in forward.args if isinstance(a, Proxy))
-    # A symbol that reads what an in-place copy writes would see another value in backward.
+    # A copy into a tensor the forward made for it runs again with that tensor (``_fresh_copies``); any other
+    # in-place copy changes a value some symbol reads, which would see another value in backward.
+    fresh = _fresh_copies(bsyms, producer, can, inside)
+    for i in fresh:
+        can[i] = True
+        written.difference_update(a.name for a in bsyms[i].flat_proxy_args)
     can = [c and not any(a.name in written for a in b.flat_proxy_args) for c, b in zip(can, bsyms)]
 
     required = {t.name for t in saved}
@@ -289,6 +309,8 @@ def plan_saved(
         for a in bsym.flat_proxy_args:
             # A value an opened region computed is recomputed with the op that reads it, never read saved.
             graph.add_edge((a.name, "in" if inside(i) and a.name in computed else "out"), ("op", i))
+        for name in fresh.get(i, ()):  # a copy's destination runs again with it: never written once saved
+            graph.add_edge((name, "in"), ("op", i))
         for o in bsym.flat_proxy_outs:
             if isinstance(o, TensorProxy) and o.name not in inputs:
                 graph.add_edge(("op", i), (o.name, "in"))
@@ -320,6 +342,59 @@ def plan_saved(
         seconds=seconds,
         opened=regions,
     )
+
+
+def _fresh_copies(bsyms, producer: dict[str, int], can: list[bool], inside) -> dict[int, frozenset[str]]:
+    """The in-place copies the backward may run again, each with the names of its destination's storage before it:
+    a copy whose destination the forward made for it by cheap ops (litgpt's soft-capped attention builds its causal
+    mask so: ``ones(T, T).triu(1)``, then ``masked_fill_``), where everything that reads that storage before the copy
+    is computed on the way to the copy's source (so that the backward, running the symbols in the forward's order
+    before each first use, reads it before the copy too), and nothing else writes into it. Recomputed, the copy
+    writes into the destination recomputed with it, never into a saved tensor (the cut's edges say so)."""
+    copies = [i for i, b in enumerate(bsyms) if is_copy_into(b) and not inside(i)]
+    fresh: dict[int, frozenset[str]] = {}
+    for i in copies:
+        args = bsyms[i].flat_proxy_args
+        if len(args) != 2 or not all(isinstance(a, TensorProxy) for a in args):
+            continue
+        source, destination = args
+        chain = [destination.name]  # back through views to the tensor that owns the storage
+        while producer.get(chain[-1]) is not None and sym_id(bsyms[producer[chain[-1]]]) in VIEW_OPS:
+            view_args = bsyms[producer[chain[-1]]].flat_proxy_args
+            if not view_args:
+                break
+            chain.append(view_args[0].name)
+        owner = producer.get(chain[-1])
+        if owner is None or not can[owner] or is_copy_into(bsyms[owner]) or inside(owner):
+            continue
+        aliases = set(chain)  # the storage's names before the copy, by views of it made before the copy
+        for j in range(owner + 1, i):
+            if sym_id(bsyms[j]) in VIEW_OPS and any(a.name in aliases for a in bsyms[j].flat_proxy_args[:1]):
+                aliases.update(o.name for o in bsyms[j].flat_proxy_outs)
+        if any(is_copy_into(bsyms[j]) and j != i and bsyms[j].flat_proxy_args[-1].name in aliases for j in copies):
+            continue
+        ancestors = _ancestors(bsyms, producer, source.name)
+        readers = [
+            j
+            for j in range(owner + 1, len(bsyms))
+            if j != i and bsyms[j].sym.id != PrimIDs.DEL and any(a.name in aliases for a in bsyms[j].flat_proxy_args)
+        ]
+        if all(j in ancestors or (j < i and sym_id(bsyms[j]) in VIEW_OPS) for j in readers):
+            fresh[i] = frozenset(aliases)
+    return fresh
+
+
+def _ancestors(bsyms, producer: dict[str, int], name: str) -> set[int]:
+    """Indices of the symbols ``name`` is computed from."""
+    seen: set[int] = set()
+    stack = [name]
+    while stack:
+        j = producer.get(stack.pop())
+        if j is None or j in seen:
+            continue
+        seen.add(j)
+        stack.extend(a.name for a in bsyms[j].flat_proxy_args)
+    return seen
 
 
 def _recomputed(bsyms, required: set[str], chosen: set[str], producer: dict[str, int], can: list[bool]) -> set[int]:
