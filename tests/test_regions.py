@@ -19,6 +19,7 @@ from configs import NEOX
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.symbols import is_fusion
+from thunder_fsdp_mem.passes.mincut import recomputable
 from thunder_fsdp_mem.passes.regions import opened
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.training import models, runtime
@@ -94,10 +95,10 @@ def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs)
 
 def test_a_trace_without_mixed_regions_is_not_opened(runs):
     forward = runs["plain"][2]
-    regions = opened(forward.bound_symbols)
+    regions = opened(forward.bound_symbols, recomputable)
     assert regions is not None and regions.stored and regions.views
     unfused = [b for b in forward.bound_symbols if not is_fusion(b)]
-    assert opened(unfused) is None
+    assert opened(unfused, recomputable) is None
 
 
 def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():

@@ -71,6 +71,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     UNPACK_IDS,
     VIEW_OPS,
     WAITS,
+    accumulates,
     is_copy_into,
     is_fusion,
     nbytes,
@@ -236,7 +237,7 @@ def plan_saved(
     expensive op is recomputed from another (see the module's docstring); ``only``: the indices of the expensive
     ops the price may recompute (None: all)."""
     saved = saved_tensors(forward)
-    regions = opened(forward.bound_symbols) if price is None else None
+    regions = opened(forward.bound_symbols, recomputable) if price is None else None
     bsyms = regions.symbols if regions is not None else forward.bound_symbols
     inside = regions.inside if regions is not None else (lambda i: False)
     producer: dict[str, int] = {}
@@ -258,7 +259,7 @@ def plan_saved(
         if is_copy_into(bsym):
             written.update(a.name for a in bsym.flat_proxy_args)
         if inside(i):
-            can[i] = regions.may_recompute(i)
+            can[i] = recomputable(bsym) and not accumulates(bsym)  # a new kernel may add in another order
             for o in bsym.flat_proxy_outs:
                 producer.setdefault(o.name, i)
             continue

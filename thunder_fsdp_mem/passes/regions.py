@@ -27,7 +27,7 @@ they are, their outputs included, so that the forward's kernels compute what the
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
@@ -68,24 +68,20 @@ class Opened:
     def inside(self, i: int) -> bool:
         return self.region[i] is not None
 
-    def may_recompute(self, i: int) -> bool:
-        """An opened region's op the backward may run again: cheap, deterministic, not an accumulating reduction."""
-        from thunder_fsdp_mem.passes.mincut import recomputable
 
-        bsym = self.symbols[i]
-        return recomputable(bsym) and not accumulates(bsym)
-
-
-def opened(forward_symbols: Sequence) -> Opened | None:
+def opened(forward_symbols: Sequence, cheap: Callable[[object], bool]) -> Opened | None:
     """``forward_symbols`` with every mixed region opened (see the module's docstring), or None where there is
-    none: a region is opened where it runs matmuls and cheap ops both."""
-    from thunder_fsdp_mem.passes.mincut import recomputable
+    none: a region is opened where it runs matmuls and ops that are ``cheap`` (the cut's recomputable ops) and no
+    accumulating reduction."""
+
+    def recomputable(bsym) -> bool:
+        return cheap(bsym) and not accumulates(bsym)
 
     symbols, region = [], []
     stored, views, returned = set(), set(), set()
     for i, bsym in enumerate(forward_symbols):
         subs = bsym.subsymbols if is_fusion(bsym) else ()
-        mixed = any(sym_id(s) in MATMULS for s in subs) and any(recomputable(s) and not accumulates(s) for s in subs)
+        mixed = any(sym_id(s) in MATMULS for s in subs) and any(recomputable(s) for s in subs)
         if not mixed:
             symbols.append(bsym)
             region.append(None)
