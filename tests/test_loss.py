@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import thunder
 import torch
+import torch.nn.functional as F
 from thunder.core.transform_common import Transform
 
 from configs import BY_NAME, SOFTCAP_TIED
@@ -144,6 +145,44 @@ def test_losses_it_cannot_chunk_are_left_alone():
     assert _losses_in(lambda h, w, t: ce(linear(h, w) * 2.0, t), h, w, t) == ()  # not a soft-cap
     assert _losses_in(lambda h, w, t: ce(linear(h, w).exp(), t), h, w, t) == ()
     assert len(_losses_in(lambda h, w, t: ce(linear(h, w), t, reduction="sum"), h, w, t)) == 1
+
+
+USER_FORMS = {  # the head's logits (B, T, V) to F.cross_entropy as users write it
+    "reshape": lambda logits, t: F.cross_entropy(logits.reshape(-1, logits.size(-1)), t.reshape(-1)),
+    "view": lambda logits, t: F.cross_entropy(logits.view(-1, logits.size(-1)), t.view(-1)),
+    "flatten": lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten()),
+    ".float()": lambda logits, t: F.cross_entropy(logits.float().view(-1, logits.size(-1)), t.view(-1)),
+    ".to(float32)": lambda logits, t: F.cross_entropy(
+        logits.to(torch.float32).reshape(-1, logits.size(-1)), t.view(-1)
+    ),
+}
+
+
+@pytest.mark.parametrize("form", sorted(USER_FORMS))
+def test_the_losses_users_write_are_chunked_and_match_eager(form):
+    # bf16 head, as trained; the loss against eager PyTorch's on the same bf16 head within the bf16 tolerance.
+    torch.manual_seed(0)
+    h = torch.randn(2, 96, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(200, 32) / 6).to(torch.bfloat16).requires_grad_(True)
+    t = torch.randint(0, 200, (2, 96))
+    t[0, :5] = -100
+
+    def loss_of(h, w, t):
+        return USER_FORMS[form](F.linear(h, w), t)
+
+    eager = loss_of(h, w, t)
+    eager.backward()
+    reference = (eager.detach(), {"h": h.grad, "w": w.grad})
+    h.grad = w.grad = None
+    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
+    chunked = jitted(h, w, t)
+    chunked.backward()
+    assert len(transform.found) == 1 and transform.found[0].chunks == 3
+    # The loss is a bf16 scalar: within one bf16 step (2^-7 relative) of eager's; the gradients as elsewhere.
+    assert abs(chunked.float().item() - eager.float().item()) <= 2**-7 * abs(eager.float().item())
+    for name, g in {"h": h.grad, "w": w.grad}.items():
+        expected = reference[1][name].float()
+        assert (g.float() - expected).abs().max() <= TOLERANCE[torch.bfloat16] * expected.abs().max(), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

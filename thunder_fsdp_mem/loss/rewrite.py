@@ -5,7 +5,8 @@ forward and backward from the operator's grad rule.
 ``rewrite_losses(trace, chunks=None) -> (trace, found)``: the trace with every such loss replaced, and what was
 replaced (``Found``). The pattern, as Thunder traces litgpt and the usual training losses:
 ``linear(h, W, b)``, optionally ``true_divide(., c)``, ``tanh``, ``mul(., c)`` (gemma-2's
-``final_logit_softcapping``) and an upcast ``to(float32)``, any reshapes, then ``cross_entropy(., targets)`` with
+``final_logit_softcapping``) and an upcast (``.to(torch.float32)`` or ``.float()``), any reshapes, views or
+flattenings, then ``cross_entropy(., targets)`` with
 class indices, no class weights, no label smoothing and the mean or sum reduction. Each intermediate must be read
 by the next alone (a shape query aside) and not returned: the logits must die in the loss, or chunking them
 would save nothing. Anything else stays as it was.
@@ -18,7 +19,7 @@ import inspect
 from dataclasses import dataclass
 
 import thunder.torch as ltorch
-from thunder.core import dtypes
+from thunder.core import dtypes, prims
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
@@ -28,7 +29,16 @@ from thunder_fsdp_mem.analysis.symbols import dtype_name, proxy_names, shape
 from thunder_fsdp_mem.loss.operator import linear_cross_entropy
 
 _CE_SIGNATURE = inspect.signature(ltorch.cross_entropy.meta)
-_CHAIN = {ltorch.reshape.id, ltorch.to.id, ltorch.true_divide.id, ltorch.tanh.id, ltorch.mul.id}
+_UPCASTS = {ltorch.to.id, prims.PrimIDs.CONVERT_ELEMENT_TYPE}  # .to(torch.float32); .float(), traced as the prim
+_CHAIN = {
+    ltorch.reshape.id,
+    ltorch.view.id,
+    ltorch.flatten.id,
+    *_UPCASTS,
+    ltorch.true_divide.id,
+    ltorch.tanh.id,
+    ltorch.mul.id,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +134,7 @@ def _match(bsyms, i, producer, readers, returned):
             return None
         chain.append(j)
         source = b.args[0]
-        if b.sym.id == ltorch.to.id and not (isinstance(source, TensorProxy) and b.output.dtype == dtypes.float32):
+        if b.sym.id in _UPCASTS and not (isinstance(source, TensorProxy) and b.output.dtype == dtypes.float32):
             return None
         if b.sym.id == ltorch.mul.id:
             softcap, source = _softcap(bsyms, b, producer, readers, chain)
