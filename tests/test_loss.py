@@ -46,9 +46,10 @@ class _Chunked(Transform):
     def __init__(self, chunks: int):
         self.chunks = chunks
         self.found = ()
+        self.left = ()
 
     def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
-        computation, self.found = rewrite_losses(computation, chunks=self.chunks)
+        computation, self.found, self.left = rewrite_losses(computation, chunks=self.chunks)
         return prologue, computation, epilogue
 
 
@@ -145,6 +146,51 @@ def test_losses_it_cannot_chunk_are_left_alone():
     assert _losses_in(lambda h, w, t: ce(linear(h, w) * 2.0, t), h, w, t) == ()  # not a soft-cap
     assert _losses_in(lambda h, w, t: ce(linear(h, w).exp(), t), h, w, t) == ()
     assert len(_losses_in(lambda h, w, t: ce(linear(h, w), t, reduction="sum"), h, w, t)) == 1
+
+
+def _left_in(fn, *args) -> str:
+    jitted = thunder.jit(fn, transforms=[transform := _Chunked(2)])
+    jitted(*args)
+    assert transform.found == () and len(transform.left) == 1, (transform.found, transform.left)
+    return transform.left[0].describe()
+
+
+def test_each_loss_left_alone_says_why_and_what_to_change():
+    h = torch.randn(2, 4, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    t = torch.randint(0, 16, (2, 4))
+    ce, linear = F.cross_entropy, F.linear
+    shifted = _left_in(lambda h, w, t: ce(linear(h, w)[:, :-1].reshape(-1, 16), t[:, 1:].reshape(-1)), h, w, t)
+    assert "the logits pass through getitem" in shifted and "slice the hidden states" in shifted
+    returned = _left_in(lambda h, w, t: (ce((z := linear(h, w)).reshape(-1, 16), t.reshape(-1)), z), h, w, t)
+    assert "returns the logits too" in returned and "return the loss alone" in returned
+    unreduced = _left_in(lambda h, w, t: ce(linear(h, w).reshape(-1, 16), t.reshape(-1), reduction="none"), h, w, t)
+    assert "reduction='none'" in unreduced and "chunk_size=0" in unreduced
+    outside = _left_in(lambda logits, t: ce(logits.reshape(-1, 16), t.reshape(-1)), linear(h, w).detach(), t)
+    assert "head is outside" in outside and "LossModel" in outside
+    transposed = _left_in(lambda h, w, t: ce(linear(h, w).transpose(1, 2), t), h, w, t)
+    assert "one class index per row" in transposed
+
+
+def test_the_summary_says_which_loss_it_left_and_why():
+    # litgpt's finetuning shifts the logits (logits[..., :-1, :]): the transform keeps that loss and says so.
+    spec = SPECS["llama"]
+    idx, targets = _targets(spec)
+
+    class Shifted(torch.nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx, targets):
+            logits = self.gpt(idx)[..., :-1, :]
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets[..., 1:].reshape(-1))
+
+    transform = FSDPMemoryTransform()
+    _step(thunder.jit(Shifted(models.build(spec, dtype=torch.float32).gpt), transforms=[transform]), idx, targets)
+    summary = transform.summary()
+    assert "chunked loss: left as it was: cross_entropy not chunked: the logits pass through getitem" in summary
+    assert "(to have it chunked: apply it to the head's input instead" in summary
 
 
 USER_FORMS = {  # the head's logits (B, T, V) to F.cross_entropy as users write it

@@ -232,12 +232,13 @@ def _routed(trace: TraceCtx, executors) -> tuple[TraceCtx, list[tuple[bool, str]
 
 
 def _chunked(trace: TraceCtx) -> tuple[TraceCtx, list[tuple[bool, str]]]:
-    trace, found = rewrite_losses(trace)
+    trace, found, left = rewrite_losses(trace)
     notes = []
     for f in found:
         rows, vocab = f.logits_shape
         softcap = f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
         notes.append((True, f"{f.dtype} logits ({rows}, {vocab}), {f.chunks} chunks to start with{softcap}"))
+    notes.extend((False, why.describe()) for why in dict.fromkeys(left))  # once per reason, as layers repeat
     return trace, notes
 
 

@@ -2,8 +2,9 @@
 linear cross-entropy (``operator.linear_cross_entropy``) in its place, so that Thunder's autograd derives its
 forward and backward from the operator's grad rule.
 
-``rewrite_losses(trace, chunks=None) -> (trace, found)``: the trace with every such loss replaced, and what was
-replaced (``Found``). The pattern, as Thunder traces litgpt and the usual training losses:
+``rewrite_losses(trace, chunks=None) -> (trace, found, left)``: the trace with every such loss replaced, what was
+replaced (``Found``), and each ``cross_entropy`` left as it was, with the reason and what the user can change
+(``Left``). The pattern, as Thunder traces litgpt and the usual training losses:
 ``linear(h, W, b)``, optionally ``true_divide(., c)``, ``tanh``, ``mul(., c)`` (gemma-2's
 ``final_logit_softcapping``) and an upcast (``.to(torch.float32)`` or ``.float()``), any reshapes, views or
 flattenings, then ``cross_entropy(., targets)`` with
@@ -25,7 +26,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
 from thunder_fsdp_mem.analysis.chunked_loss import CHUNKS_ARG, candidate_chunks
-from thunder_fsdp_mem.analysis.symbols import dtype_name, proxy_names, shape
+from thunder_fsdp_mem.analysis.symbols import UNPACK_IDS, dtype_name, proxy_names, shape
 from thunder_fsdp_mem.loss.operator import linear_cross_entropy
 
 _CE_SIGNATURE = inspect.signature(ltorch.cross_entropy.meta)
@@ -53,10 +54,21 @@ class Found:
     chunks: int
 
 
-def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx, tuple[Found, ...]]:
+@dataclass(frozen=True, slots=True)
+class Left:
+    """One ``cross_entropy`` left as it was: why, and what the user can change so that it is chunked."""
+
+    reason: str
+    fix: str
+
+    def describe(self) -> str:
+        return f"cross_entropy not chunked: {self.reason} (to have it chunked: {self.fix})"
+
+
+def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx, tuple[Found, ...], tuple[Left, ...]]:
     """``trace`` with each linear cross-entropy chunked (``chunks``: how many chunks; None: the most
     ``chunked_loss.candidate_chunks`` tries, the least memory, which ``passes.chunks`` then lowers where the peak
-    allows). The trace itself when there is none."""
+    allows), what it chunked, and the cross-entropies it left. The trace itself when it chunks none."""
     bsyms = list(trace.bound_symbols)
     producer = {o.name: i for i, b in enumerate(bsyms) for o in b.flat_proxy_outs}
     readers: dict[str, list[int]] = {}
@@ -69,12 +81,13 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
             returned.update(proxy_names(b.args))
     replace: dict[int, object] = {}
     dropped: set[int] = set()
-    found = []
+    found, left = [], []
     for i, b in enumerate(bsyms):
         if b.sym.id != ltorch.cross_entropy.id:
             continue
         match = _match(bsyms, i, producer, readers, returned)
-        if match is None:
+        if isinstance(match, Left):
+            left.append(match)
             continue
         new, chain, record = match
         if chunks is not None:
@@ -84,7 +97,7 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
         dropped.update(chain)
         found.append(record)
     if not found:
-        return trace, ()
+        return trace, (), tuple(left)
     removed = {o.name for j in dropped for o in bsyms[j].flat_proxy_outs}
     out = []
     for i, b in enumerate(bsyms):
@@ -96,52 +109,69 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
     new_trace = from_trace(trace)
     new_trace.bound_symbols = out
     new_trace.set_provenance(TraceProvenance(f"FSDPMemoryTransform: chunked linear cross-entropy ({len(found)})"))
-    return new_trace, tuple(found)
+    return new_trace, tuple(found), tuple(left)
+
+
+_RETURN_LOSS = "return the loss alone (the logits must die in the loss to be chunked)"
+_IN_STEP = "compute the loss in the compiled function (thunder_fsdp_mem.LossModel)"
 
 
 def _match(bsyms, i, producer, readers, returned):
+    """(the chunked symbol, the chain it replaces, what it is) for the ``cross_entropy`` at ``i``, or ``Left``."""
     ce = bsyms[i]
     try:
         bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
     except TypeError:
-        return None
+        return Left("its arguments are not F.cross_entropy's", "call F.cross_entropy(logits, targets)")
     bound.apply_defaults()
     a, target = bound.arguments["a"], bound.arguments["target"]
     p = bound.arguments
+    if p["weight"] is not None:
+        return Left("it has class weights", "drop weight= (the chunked loss weighs every class alike)")
+    if p["label_smoothing"] != 0.0:
+        return Left("it smooths labels", "set label_smoothing=0.0")
+    if p["reduction"] not in ("mean", "sum"):
+        fix = "reduce inside the loss (litgpt's chunked_cross_entropy: chunk_size=0)"
+        return Left(f"reduction={p['reduction']!r}", fix)
     if (
         not isinstance(a, TensorProxy)
         or not isinstance(target, TensorProxy)
-        or p["weight"] is not None
-        or p["label_smoothing"] != 0.0
-        or p["reduction"] not in ("mean", "sum")
         or len(shape(a)) != 2
         or shape(target) != shape(a)[:1]
         or not dtypes.is_integer_dtype(target.dtype)
     ):
-        return None
+        return Left(
+            "its logits are not (rows, classes) with one class index per row",
+            "reshape the logits to (-1, vocabulary) and the targets to (-1,)",
+        )
     chain, softcap, current = [], None, a
     while True:
         j = producer.get(current.name)
-        if j is None or current.name in returned:
-            return None
+        if j is None or bsyms[j].sym.id in UNPACK_IDS:
+            return Left("the logits are an input of the compiled function: its head is outside", _IN_STEP)
+        if current.name in returned:
+            return Left("the compiled function returns the logits too", _RETURN_LOSS)
         if any(k != (chain[-1] if chain else i) and bsyms[k].sym.id != PrimIDs.SHAPE for k in readers[current.name]):
-            return None
+            return Left("the logits are read by more than the loss", _RETURN_LOSS)
         b = bsyms[j]
         if b.sym.id == ltorch.linear.id:
             chain.append(j)
             break
         if b.sym.id not in _CHAIN:
-            return None
+            return Left(
+                f"the logits pass through {b.sym.name} between the head and the loss",
+                "apply it to the head's input instead (slice the hidden states, not the logits), or reshape them",
+            )
         chain.append(j)
         source = b.args[0]
         if b.sym.id in _UPCASTS and not (isinstance(source, TensorProxy) and b.output.dtype == dtypes.float32):
-            return None
+            return Left(f"the logits are cast to {dtype_name(b.output)}", "upcast them to float32, or not at all")
         if b.sym.id == ltorch.mul.id:
             softcap, source = _softcap(bsyms, b, producer, readers, chain)
             if softcap is None:
-                return None
+                return Left("the logits are scaled, not soft-capped as tanh(x / c) * c", "scale the head's input")
         if not isinstance(source, TensorProxy):
-            return None
+            return Left(f"the logits come from {b.sym.name} of a number", "compute them by a linear head")
         current = source
     linear = bsyms[chain[-1]]
     hidden, weight, *rest = linear.args
@@ -153,12 +183,12 @@ def _match(bsyms, i, producer, readers, returned):
         or (bias is not None and bias.dtype != weight.dtype)
         or not dtypes.is_float_dtype(weight.dtype)
     ):
-        return None
+        return Left("the head's input, weight and bias differ in dtype", "run the head in one floating dtype")
     rows = 1
     for s in shape(hidden)[:-1]:
         rows *= s
     if (rows, shape(weight)[0]) != shape(a):
-        return None
+        return Left("the logits' rows are not the head's", "reshape the logits, not slice them")
     chunks = candidate_chunks(rows)[-1]
     new = linear_cross_entropy.bind(
         hidden, weight, bias, target, p["ignore_index"], softcap, p["reduction"], chunks, a.dtype, output=ce.output
