@@ -11,7 +11,7 @@ from thunder.extend import OperatorExecutor
 
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.cost import op_traffic
-from thunder_fsdp_mem.analysis.symbols import is_fusion
+from thunder_fsdp_mem.analysis.symbols import is_copy_into, is_fusion
 from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite, recompute
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import plan_step
@@ -288,3 +288,31 @@ def test_a_fusion_recomputed_for_elementwise_outputs_runs_only_what_they_need():
     pruned = plan_rewrite._what_is_read(region, {exp.name})
     assert [o.name for o in pruned.flat_proxy_outs] == [exp.name]
     assert [b.sym.name for b in pruned.subsymbols] == ["exp"] and pruned._call_ctx != region._call_ctx
+
+
+def _masked(q, k):
+    # litgpt's soft-capped attention's causal mask: made in the forward, then filled in place.
+    mask = torch.ones(q.size(2), q.size(2), dtype=q.dtype).triu(diagonal=1)
+    mask.masked_fill_(mask.bool(), torch.finfo(q.dtype).min)
+    return torch.softmax(q @ k.mT + mask, dim=-1) @ k
+
+
+def _into_input(q, k):
+    # The same fill, into a buffer the caller passes: its storage is not the forward's to write again.
+    k.masked_fill_(k > 1, 0.0)
+    return torch.softmax(q @ k.mT, dim=-1) @ k
+
+
+@pytest.mark.parametrize("fn, fresh", [(_masked, True), (_into_input, False)], ids=["made-here", "an-input"])
+def test_an_in_place_copy_runs_again_only_into_a_tensor_the_forward_made_for_it(fn, fresh):
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    k = torch.randn(1, 2, 16, 8)
+    jitted = thunder.jit(fn, executors=[thunder.extend.get_executor("torch")])
+    jitted(q, k).sum().backward()
+    forward = thunder.last_traces(jitted)[-1]
+    bsyms = forward.bound_symbols
+    producer = {o.name: i for i, b in reversed(list(enumerate(bsyms))) for o in b.flat_proxy_outs}
+    can = [mincut.recomputable(b) or mincut.expanding(b) for b in bsyms]
+    copies = mincut._fresh_copies(bsyms, producer, can, lambda i: False)
+    assert any(is_copy_into(b) for b in bsyms)
+    assert bool(copies) is fresh

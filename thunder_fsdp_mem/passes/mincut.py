@@ -126,6 +126,12 @@ RECOMPUTABLE_OPS = (
 # (q @ k^T over a head's few dimensions), (T, T) from (T, d). The cut may recompute it without a price (``expanding``).
 EXPANSION = 4
 
+# Ops whose output is always a new tensor (never a view of an argument; ``to`` returns its argument when it changes
+# nothing): what an in-place copy recomputed in backward may write into (``_fresh_copies``).
+_ALLOCATING = (ELEMENTWISE_OPS - VIEW_OPS - {"to", "type_as"}) | frozenset(
+    {"arange", "full", "full_like", "ones", "ones_like", "zeros", "zeros_like"}
+)
+
 # Deterministic too, but dear: recomputed only at a price (a memory budget).
 PRICED_OPS = MATMULS | ATTENTION | {"embedding"}
 _SOURCE, _SINK = "source", "sink"
@@ -366,8 +372,8 @@ def _fresh_copies(bsyms, producer: dict[str, int], can: list[bool], inside) -> d
                 break
             chain.append(view_args[0].name)
         owner = producer.get(chain[-1])
-        if owner is None or not can[owner] or is_copy_into(bsyms[owner]) or inside(owner):
-            continue
+        if owner is None or not can[owner] or inside(owner) or sym_id(bsyms[owner]) not in _ALLOCATING:
+            continue  # the storage must be one the forward allocated here, never an input's or a saved tensor's
         aliases = set(chain)  # the storage's names before the copy, by views of it made before the copy
         for j in range(owner + 1, i):
             if sym_id(bsyms[j]) in VIEW_OPS and any(a.name in aliases for a in bsyms[j].flat_proxy_args[:1]):
