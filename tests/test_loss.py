@@ -339,3 +339,31 @@ def test_a_loss_the_rewrite_does_not_understand_is_left_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="a form never seen"):
         strict = thunder.jit(models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform(strict=True)])
         strict(idx, targets)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 128], ids=["chunk_size=0", "default"])
+def test_litgpts_chunked_cross_entropy_is_chunked_and_matches_eager(chunk_size):
+    # What litgpt's pretrain and finetune call: chunk_size=128 splits the rows, takes each chunk's unreduced loss,
+    # and divides their sum by the rows that count. The sum becomes the chunked operator's; litgpt's division stays.
+    from litgpt.utils import chunked_cross_entropy
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 150, 32, requires_grad=True)
+    w = (torch.randn(200, 32) / 6).requires_grad_(True)
+    t = torch.randint(0, 200, (2, 150))
+    t[0, :40] = -100
+
+    def loss_of(h, w, t):
+        return chunked_cross_entropy(F.linear(h, w), t, chunk_size=chunk_size)
+
+    expected = loss_of(h, w, t)
+    expected.backward()
+    reference = (expected.detach(), {"h": h.grad, "w": w.grad})
+    h.grad = w.grad = None
+    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
+    loss = jitted(h, w, t)
+    loss.backward()
+    assert len(transform.found) == 1 and transform.left == ()
+    _assert_close(reference, (loss.detach(), {"h": h.grad, "w": w.grad}), torch.float32)
+    forward = thunder.last_traces(jitted)[-1]
+    assert not any(b.sym.name == "cross_entropy" for b in forward.bound_symbols)

@@ -10,7 +10,8 @@ replaced (``Found``), and each ``cross_entropy`` left as it was, with the reason
 flattenings, then ``cross_entropy(., targets)`` with
 class indices, no class weights, no label smoothing and the mean or sum reduction. Each intermediate must be read
 by the next alone (a shape query aside) and not returned: the logits must die in the loss, or chunking them
-would save nothing. Anything else stays as it was.
+would save nothing. litgpt's ``chunked_cross_entropy`` at its default (the rows split into chunks, each chunk's
+unreduced loss, their sum) is taken too, its sum replaced (``_match_split``). Anything else stays as it was.
 """
 
 from __future__ import annotations
@@ -82,8 +83,24 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
     replace: dict[int, object] = {}
     dropped: set[int] = set()
     found, left = [], []
+    consumed: set[int] = set()  # the per-chunk cross-entropies of a summed form, said or replaced with their sum
+    for i, b in enumerate(bsyms):  # litgpt's chunked_cross_entropy first: its losses are summed rows
+        if b.sym.id != ltorch.sum.id or (parts := _summed(bsyms, i, producer)) is None:
+            continue
+        consumed.update(parts)
+        match = _match_split(bsyms, i, parts, producer, readers, returned)
+        if isinstance(match, Left):
+            left.append(match)
+            continue
+        new, chain, record = match
+        if chunks is not None:
+            new = new.from_bsym(args=new.args[:CHUNKS_ARG] + (chunks,) + new.args[CHUNKS_ARG + 1 :])
+            record = dataclasses.replace(record, chunks=chunks)
+        replace[i] = new
+        dropped.update(chain)
+        found.append(record)
     for i, b in enumerate(bsyms):
-        if b.sym.id != ltorch.cross_entropy.id:
+        if b.sym.id != ltorch.cross_entropy.id or i in consumed:
             continue
         match = _match(bsyms, i, producer, readers, returned)
         if isinstance(match, Left):
@@ -144,14 +161,114 @@ def _match(bsyms, i, producer, readers, returned):
             "its logits are not (rows, classes) with one class index per row",
             "reshape the logits to (-1, vocabulary) and the targets to (-1,)",
         )
-    chain, softcap, current = [], None, a
+    head = _head(bsyms, a, i, producer, readers, returned)
+    if isinstance(head, Left):
+        return head
+    chain, softcap, (hidden, weight, bias) = head
+    chunks = candidate_chunks(_rows(hidden))[-1]
+    new = linear_cross_entropy.bind(
+        hidden, weight, bias, target, p["ignore_index"], softcap, p["reduction"], chunks, a.dtype, output=ce.output
+    )
+    record = Found(shape(a), dtype_name(a), softcap, bias is not None, chunks)
+    return new, chain, record
+
+
+def _summed(bsyms, i, producer) -> list[int] | None:
+    """The indices of the cross-entropies whose per-row losses the ``sum`` at ``i`` adds up whole (``sum(cat([...]))``,
+    as litgpt's ``chunked_cross_entropy`` does), or None for any other sum."""
+    total = bsyms[i]
+    x, *rest = total.args
+    if any(a is not None and a is not False for a in (*rest, *total.kwargs.values())):
+        return None  # a sum over some dimensions, kept, or in another dtype
+    j = producer.get(x.name) if isinstance(x, TensorProxy) else None
+    if j is None or bsyms[j].sym.id != ltorch.cat.id:
+        return None
+    parts, *dim = bsyms[j].args
+    if (dim[0] if dim else bsyms[j].kwargs.get("dim", 0)) != 0:
+        return None
+    ces = [producer.get(t.name) for t in parts if isinstance(t, TensorProxy)]
+    if len(ces) != len(parts) or any(k is None or bsyms[k].sym.id != ltorch.cross_entropy.id for k in ces):
+        return None
+    return [j, *ces]
+
+
+def _match_split(bsyms, i, parts, producer, readers, returned):
+    """litgpt's ``chunked_cross_entropy(logits, targets, chunk_size)``: the logits (rows, V) and the targets split alike
+    into chunks of rows, ``cross_entropy(..., reduction='none')`` of each, their losses concatenated and summed
+    (``_summed``). The sum is the chunked operator's with the ``sum`` reduction over the whole logits and targets;
+    what litgpt divides it by (the count of counted rows, at least 1) stays. ``(new, chain, record)`` or ``Left``."""
+    cat, *ces = parts
+    total = bsyms[i]
+    if readers[bsyms[cat].output.name] != [i] or any(readers[bsyms[k].output.name] != [cat] for k in ces):
+        return Left("its per-chunk losses are read by more than their sum", "sum them alone")
+    bound = []
+    for k in ces:
+        try:
+            b = _CE_SIGNATURE.bind(*bsyms[k].args, **bsyms[k].kwargs)
+        except TypeError:
+            return Left("its arguments are not F.cross_entropy's", "call F.cross_entropy(logits, targets)")
+        b.apply_defaults()
+        bound.append(b.arguments)
+    first = bound[0]
+    if any(b["weight"] is not None or b["label_smoothing"] != 0.0 or b["reduction"] != "none" for b in bound) or any(
+        b["ignore_index"] != first["ignore_index"] for b in bound
+    ):
+        return Left("its chunks' losses differ or are weighted", "use litgpt's chunked_cross_entropy as it is")
+    splits = []
+    for key in ("a", "target"):
+        pieces = [b[key] for b in bound]
+        s = producer.get(pieces[0].name) if isinstance(pieces[0], TensorProxy) else None
+        names = [p.name if isinstance(p, TensorProxy) else None for p in pieces]
+        if s is None or bsyms[s].sym.id != ltorch.split.id or [o.name for o in bsyms[s].flat_proxy_outs] != names:
+            return Left("its chunks are not one split of the logits and the targets", "split them as litgpt does")
+        if any(r not in ces and bsyms[r].sym.id != PrimIDs.SHAPE for p in pieces for r in readers[p.name]):
+            return Left("its chunks are read by more than their losses", _RETURN_LOSS)
+        splits.append(s)
+    (s_logits, s_targets) = splits
+    if bsyms[s_logits].args[1:] != bsyms[s_targets].args[1:] or bsyms[s_logits].kwargs != bsyms[s_targets].kwargs:
+        return Left("the logits and the targets are split differently", "split them alike")
+    logits, targets = bsyms[s_logits].args[0], bsyms[s_targets].args[0]
+    if (
+        len(shape(logits)) != 2
+        or shape(targets) != shape(logits)[:1]
+        or not dtypes.is_integer_dtype(targets.dtype)
+        or (bsyms[s_logits].args[2:] or (bsyms[s_logits].kwargs.get("dim", 0),))[0] != 0
+    ):
+        return Left("its logits are not split by rows", "split the (rows, vocabulary) logits along the rows")
+    head = _head(bsyms, logits, s_logits, producer, readers, returned)
+    if isinstance(head, Left):
+        return head
+    chain, softcap, (hidden, weight, bias) = head
+    chunks = candidate_chunks(_rows(hidden))[-1]
+    new = linear_cross_entropy.bind(
+        hidden, weight, bias, targets, first["ignore_index"], softcap, "sum", chunks, logits.dtype, output=total.output
+    )
+    record = Found(shape(logits), dtype_name(logits), softcap, bias is not None, chunks)
+    gone = [s_logits, *parts]
+    if all(r in ces for p in bsyms[s_targets].flat_proxy_outs for r in readers[p.name]):
+        gone.append(s_targets)
+    return new, [*chain, *gone], record
+
+
+def _rows(hidden) -> int:
+    rows = 1
+    for s in shape(hidden)[:-1]:
+        rows *= s
+    return rows
+
+
+def _head(bsyms, logits, reader: int, producer, readers, returned):
+    """Walk from the loss's ``logits`` (read by the symbol at ``reader``) back to the head: ``(the chain of symbols
+    from the head on, the soft-cap or None, (hidden, weight, bias))``, or ``Left``."""
+    chain, softcap, current = [], None, logits
     while True:
         j = producer.get(current.name)
         if j is None or bsyms[j].sym.id in UNPACK_IDS:
             return Left("the logits are an input of the compiled function: its head is outside", _IN_STEP)
         if current.name in returned:
             return Left("the compiled function returns the logits too", _RETURN_LOSS)
-        if any(k != (chain[-1] if chain else i) and bsyms[k].sym.id != PrimIDs.SHAPE for k in readers[current.name]):
+        allowed = chain[-1] if chain else reader
+        if any(k != allowed and bsyms[k].sym.id != PrimIDs.SHAPE for k in readers[current.name]):
             return Left("the logits are read by more than the loss", _RETURN_LOSS)
         b = bsyms[j]
         if b.sym.id == ltorch.linear.id:
@@ -184,17 +301,9 @@ def _match(bsyms, i, producer, readers, returned):
         or not dtypes.is_float_dtype(weight.dtype)
     ):
         return Left("the head's input, weight and bias differ in dtype", "run the head in one floating dtype")
-    rows = 1
-    for s in shape(hidden)[:-1]:
-        rows *= s
-    if (rows, shape(weight)[0]) != shape(a):
+    if (_rows(hidden), shape(weight)[0]) != shape(logits):
         return Left("the logits' rows are not the head's", "reshape the logits, not slice them")
-    chunks = candidate_chunks(rows)[-1]
-    new = linear_cross_entropy.bind(
-        hidden, weight, bias, target, p["ignore_index"], softcap, p["reduction"], chunks, a.dtype, output=ce.output
-    )
-    record = Found(shape(a), dtype_name(a), softcap, bias is not None, chunks)
-    return new, chain, record
+    return chain, softcap, (hidden, weight, bias)
 
 
 def _softcap(bsyms, mul, producer, readers, chain):
