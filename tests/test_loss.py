@@ -168,8 +168,10 @@ def test_each_loss_left_alone_says_why_and_what_to_change():
     assert "reduction='none'" in unreduced and "chunk_size=0" in unreduced
     outside = _left_in(lambda logits, t: ce(logits.reshape(-1, 16), t.reshape(-1)), linear(h, w).detach(), t)
     assert "head is outside" in outside and "LossModel" in outside
-    transposed = _left_in(lambda h, w, t: ce(linear(h, w).transpose(1, 2), t), h, w, t)
-    assert "one class index per row" in transposed
+    probabilities = _left_in(
+        lambda h, w, t: ce(linear(h, w).reshape(-1, 16), F.one_hot(t, 16).reshape(-1, 16).float()), h, w, t
+    )
+    assert "one class index per row" in probabilities  # class probabilities as targets
 
 
 def test_the_summary_says_which_loss_it_left_and_why():
@@ -201,6 +203,7 @@ USER_FORMS = {  # the head's logits (B, T, V) to F.cross_entropy as users write 
     ".to(float32)": lambda logits, t: F.cross_entropy(
         logits.to(torch.float32).reshape(-1, logits.size(-1)), t.view(-1)
     ),
+    "transpose(1, 2)": lambda logits, t: F.cross_entropy(logits.transpose(1, 2), t),  # classes second
 }
 
 

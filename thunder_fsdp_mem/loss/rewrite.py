@@ -7,7 +7,7 @@ replaced (``Found``), and each ``cross_entropy`` left as it was, with the reason
 (``Left``). The pattern, as Thunder traces litgpt and the usual training losses:
 ``linear(h, W, b)``, optionally ``true_divide(., c)``, ``tanh``, ``mul(., c)`` (gemma-2's
 ``final_logit_softcapping``) and an upcast (``.to(torch.float32)`` or ``.float()``), any reshapes, views or
-flattenings, then ``cross_entropy(., targets)`` with
+flattenings (or ``transpose(1, 2)``, the classes second), then ``cross_entropy(., targets)`` with
 class indices, no class weights, no label smoothing and the mean or sum reduction. Each intermediate must be read
 by the next alone (a shape query aside) and not returned: the logits must die in the loss, or chunking them
 would save nothing. litgpt's ``chunked_cross_entropy`` at its default (the rows split into chunks, each chunk's
@@ -150,18 +150,25 @@ def _match(bsyms, i, producer, readers, returned):
     if p["reduction"] not in ("mean", "sum"):
         fix = "reduce inside the loss (litgpt's chunked_cross_entropy: chunk_size=0)"
         return Left(f"reduction={p['reduction']!r}", fix)
+    logits, reader, moved = a, i, []
+    if isinstance(a, TensorProxy) and isinstance(target, TensorProxy) and len(shape(a)) == 3:
+        # (B, V, T) logits, the classes second as F.cross_entropy takes them: logits.transpose(1, 2) of (B, T, V).
+        j = producer.get(a.name)
+        if j is not None and bsyms[j].sym.id == ltorch.transpose.id and sorted(bsyms[j].args[1:3]) == [1, 2]:
+            if shape(target) == (shape(a)[0], shape(a)[2]) and readers[a.name] == [i]:
+                logits, reader, moved = bsyms[j].args[0], j, [j]
     if (
-        not isinstance(a, TensorProxy)
+        not isinstance(logits, TensorProxy)
         or not isinstance(target, TensorProxy)
-        or len(shape(a)) != 2
-        or shape(target) != shape(a)[:1]
+        or not (len(shape(logits)) == 2 or moved)
+        or (not moved and shape(target) != shape(logits)[:1])
         or not dtypes.is_integer_dtype(target.dtype)
     ):
         return Left(
             "its logits are not (rows, classes) with one class index per row",
             "reshape the logits to (-1, vocabulary) and the targets to (-1,)",
         )
-    head = _head(bsyms, a, i, producer, readers, returned)
+    head = _head(bsyms, logits, reader, producer, readers, returned)
     if isinstance(head, Left):
         return head
     chain, softcap, (hidden, weight, bias) = head
@@ -169,8 +176,8 @@ def _match(bsyms, i, producer, readers, returned):
     new = linear_cross_entropy.bind(
         hidden, weight, bias, target, p["ignore_index"], softcap, p["reduction"], chunks, a.dtype, output=ce.output
     )
-    record = Found(shape(a), dtype_name(a), softcap, bias is not None, chunks)
-    return new, chain, record
+    record = Found((_rows(logits), shape(logits)[-1]), dtype_name(a), softcap, bias is not None, chunks)
+    return new, [*moved, *chain], record
 
 
 def _summed(bsyms, i, producer) -> list[int] | None:
@@ -301,7 +308,7 @@ def _head(bsyms, logits, reader: int, producer, readers, returned):
         or not dtypes.is_float_dtype(weight.dtype)
     ):
         return Left("the head's input, weight and bias differ in dtype", "run the head in one floating dtype")
-    if (_rows(hidden), shape(weight)[0]) != shape(logits):
+    if (_rows(hidden), shape(weight)[0]) != (_rows(logits), shape(logits)[-1]):
         return Left("the logits' rows are not the head's", "reshape the logits, not slice them")
     return chain, softcap, (hidden, weight, bias)
 
