@@ -204,7 +204,9 @@ USER_FORMS = {  # the head's logits (B, T, V) to F.cross_entropy as users write 
         logits.to(torch.float32).reshape(-1, logits.size(-1)), t.view(-1)
     ),
     "transpose(1, 2)": lambda logits, t: F.cross_entropy(logits.transpose(1, 2), t),  # classes second
+    "nn.CrossEntropyLoss": lambda logits, t: _CRITERION(logits.view(-1, logits.size(-1)), t.view(-1)),
 }
+_CRITERION = torch.nn.CrossEntropyLoss()  # held by the training code, as a module
 
 
 @pytest.mark.parametrize("form", sorted(USER_FORMS))
