@@ -372,3 +372,25 @@ def test_litgpts_chunked_cross_entropy_is_chunked_and_matches_eager(chunk_size):
     _assert_close(reference, (loss.detach(), {"h": h.grad, "w": w.grad}), torch.float32)
     forward = thunder.last_traces(jitted)[-1]
     assert not any(b.sym.name == "cross_entropy" for b in forward.bound_symbols)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 128], ids=["chunk_size=0", "default"])
+def test_a_head_run_in_chunks_is_said_with_the_option_that_lets_it_be_chunked(chunk_size):
+    # litgpt's finetuning calls the model with lm_head_chunk_size=128: a list of logits, concatenated (chunk_size=0)
+    # or each chunk's loss apart; the transform keeps it and names the option.
+    from litgpt.utils import chunked_cross_entropy
+
+    spec = SPECS["llama"]
+    idx, targets = _targets(spec)
+
+    class ChunkedHead(torch.nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx, targets):
+            return chunked_cross_entropy(self.gpt(idx, lm_head_chunk_size=64), targets, chunk_size=chunk_size)
+
+    transform = FSDPMemoryTransform()
+    _step(thunder.jit(ChunkedHead(models.build(spec, dtype=torch.float32).gpt), transforms=[transform]), idx, targets)
+    assert "the head runs in chunks" in transform.summary() and "lm_head_chunk_size=0" in transform.summary()

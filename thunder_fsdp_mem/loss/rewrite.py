@@ -131,6 +131,8 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
 
 _RETURN_LOSS = "return the loss alone (the logits must die in the loss to be chunked)"
 _IN_STEP = "compute the loss in the compiled function (thunder_fsdp_mem.LossModel)"
+_HEAD_IN_CHUNKS = "the head runs in chunks whose logits the loss reads apart or concatenated (lm_head_chunk_size)"
+_ONE_HEAD = "call the model with lm_head_chunk_size=0: the chunked loss chunks the head with the loss"
 
 
 def _match(bsyms, i, producer, readers, returned):
@@ -227,7 +229,9 @@ def _match_split(bsyms, i, parts, producer, readers, returned):
         s = producer.get(pieces[0].name) if isinstance(pieces[0], TensorProxy) else None
         names = [p.name if isinstance(p, TensorProxy) else None for p in pieces]
         if s is None or bsyms[s].sym.id != ltorch.split.id or [o.name for o in bsyms[s].flat_proxy_outs] != names:
-            return Left("its chunks are not one split of the logits and the targets", "split them as litgpt does")
+            if key == "a":
+                return Left(_HEAD_IN_CHUNKS, _ONE_HEAD)
+            return Left("its targets are not one split", "split the targets as the logits")
         if any(r not in ces and bsyms[r].sym.id != PrimIDs.SHAPE for p in pieces for r in readers[p.name]):
             return Left("its chunks are read by more than their losses", _RETURN_LOSS)
         splits.append(s)
@@ -281,6 +285,8 @@ def _head(bsyms, logits, reader: int, producer, readers, returned):
         if b.sym.id == ltorch.linear.id:
             chain.append(j)
             break
+        if b.sym.id == ltorch.cat.id:
+            return Left(_HEAD_IN_CHUNKS, _ONE_HEAD)
         if b.sym.id not in _CHAIN:
             return Left(
                 f"the logits pass through {b.sym.name} between the head and the loss",
