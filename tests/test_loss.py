@@ -394,3 +394,17 @@ def test_a_head_run_in_chunks_is_said_with_the_option_that_lets_it_be_chunked(ch
     transform = FSDPMemoryTransform()
     _step(thunder.jit(ChunkedHead(models.build(spec, dtype=torch.float32).gpt), transforms=[transform]), idx, targets)
     assert "the head runs in chunks" in transform.summary() and "lm_head_chunk_size=0" in transform.summary()
+
+
+def test_a_loss_computed_after_the_compiled_model_is_said_with_what_its_logits_hold():
+    # Thunder's own benchmark script compiles the model alone and computes the loss eagerly after it.
+    spec = SPECS["biased-head"]  # a vocabulary 8 times the width, as heads are (49152 for 2560 in stablecode-3b)
+    idx, targets = _targets(spec)
+    transform = FSDPMemoryTransform()
+    gpt = thunder.jit(models.build(spec, dtype=torch.float32).gpt, transforms=[transform])
+    logits = gpt(idx)
+    F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
+    rows, vocab = idx.numel(), logits.size(-1)
+    assert f"returns its head's logits, (2, {spec.block_size}, {vocab}) f32" in transform.summary()
+    assert f"({rows * vocab * 4 / 2**10:.2f} KiB): the loss is computed after it" in transform.summary()
+    assert "LossModel" in transform.summary()

@@ -27,7 +27,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
 
 from thunder_fsdp_mem.analysis.chunked_loss import CHUNKS_ARG, candidate_chunks
-from thunder_fsdp_mem.analysis.symbols import UNPACK_IDS, dtype_name, proxy_names, shape
+from thunder_fsdp_mem.analysis.symbols import UNPACK_IDS, dtype_name, nbytes, proxy_names, shape
+from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.loss.operator import linear_cross_entropy
 
 _CE_SIGNATURE = inspect.signature(ltorch.cross_entropy.meta)
@@ -113,6 +114,8 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
         replace[i] = new
         dropped.update(chain)
         found.append(record)
+    if not found and not left:
+        left.extend(_outside(bsyms, producer))
     if not found:
         return trace, (), tuple(left)
     removed = {o.name for j in dropped for o in bsyms[j].flat_proxy_outs}
@@ -180,6 +183,27 @@ def _match(bsyms, i, producer, readers, returned):
     )
     record = Found((_rows(logits), shape(logits)[-1]), dtype_name(a), softcap, bias is not None, chunks)
     return new, [*moved, *chain], record
+
+
+def _outside(bsyms, producer) -> list[Left]:
+    """Where a function computes no cross-entropy and returns its head's logits (a ``linear``'s output, reshaped or
+    not, wider than its input): the loss is computed after it, eagerly, out of the transform's reach."""
+    ret = next((b for b in bsyms if b.sym.id == PrimIDs.RETURN), None)
+    out = []
+    for t in (a for a in ret.flat_proxy_args if isinstance(a, TensorProxy)) if ret is not None else ():
+        j = producer.get(t.name)
+        while j is not None and bsyms[j].sym.id in (ltorch.reshape.id, ltorch.view.id):
+            j = producer.get(bsyms[j].args[0].name) if isinstance(bsyms[j].args[0], TensorProxy) else None
+        if j is None or bsyms[j].sym.id != ltorch.linear.id or len(shape(t)) < 2:
+            continue
+        hidden, weight = bsyms[j].args[:2]
+        if isinstance(weight, TensorProxy) and len(shape(weight)) == 2 and shape(weight)[0] > 4 * shape(weight)[1]:
+            reason = (
+                f"the compiled function returns its head's logits, {shape(t)} {dtype_name(t)}"
+                f" ({format_bytes(nbytes(t))}): the loss is computed after it"
+            )
+            out.append(Left(reason, _IN_STEP))
+    return out
 
 
 def _summed(bsyms, i, producer) -> list[int] | None:
