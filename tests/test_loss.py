@@ -174,22 +174,29 @@ def test_each_loss_left_alone_says_why_and_what_to_change():
     assert "one class index per row" in probabilities  # class probabilities as targets
 
 
+class _UserLoss(torch.nn.Module):
+    """A litgpt GPT and a loss of the user's, ``loss(gpt, idx, targets)``, as a training script holds them."""
+
+    def __init__(self, gpt, loss):
+        super().__init__()
+        self.gpt, self.loss = gpt, loss
+
+    def forward(self, idx, targets):
+        return self.loss(self.gpt, idx, targets)
+
+
 def test_the_summary_says_which_loss_it_left_and_why():
     # litgpt's finetuning shifts the logits (logits[..., :-1, :]): the transform keeps that loss and says so.
     spec = SPECS["llama"]
     idx, targets = _targets(spec)
 
-    class Shifted(torch.nn.Module):
-        def __init__(self, gpt):
-            super().__init__()
-            self.gpt = gpt
-
-        def forward(self, idx, targets):
-            logits = self.gpt(idx)[..., :-1, :]
-            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets[..., 1:].reshape(-1))
+    def shifted(gpt, idx, targets):
+        logits = gpt(idx)[..., :-1, :]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets[..., 1:].reshape(-1))
 
     transform = FSDPMemoryTransform()
-    _step(thunder.jit(Shifted(models.build(spec, dtype=torch.float32).gpt), transforms=[transform]), idx, targets)
+    model = _UserLoss(models.build(spec, dtype=torch.float32).gpt, shifted)
+    _step(thunder.jit(model, transforms=[transform]), idx, targets)
     summary = transform.summary()
     assert "chunked loss: left as it was: cross_entropy not chunked: the logits pass through getitem" in summary
     assert "(to have it chunked: apply it to the head's input instead" in summary
@@ -383,16 +390,12 @@ def test_a_head_run_in_chunks_is_said_with_the_option_that_lets_it_be_chunked(ch
     spec = SPECS["llama"]
     idx, targets = _targets(spec)
 
-    class ChunkedHead(torch.nn.Module):
-        def __init__(self, gpt):
-            super().__init__()
-            self.gpt = gpt
-
-        def forward(self, idx, targets):
-            return chunked_cross_entropy(self.gpt(idx, lm_head_chunk_size=64), targets, chunk_size=chunk_size)
+    def chunked_head(gpt, idx, targets):
+        return chunked_cross_entropy(gpt(idx, lm_head_chunk_size=64), targets, chunk_size=chunk_size)
 
     transform = FSDPMemoryTransform()
-    _step(thunder.jit(ChunkedHead(models.build(spec, dtype=torch.float32).gpt), transforms=[transform]), idx, targets)
+    model = _UserLoss(models.build(spec, dtype=torch.float32).gpt, chunked_head)
+    _step(thunder.jit(model, transforms=[transform]), idx, targets)
     assert "the head runs in chunks" in transform.summary() and "lm_head_chunk_size=0" in transform.summary()
 
 

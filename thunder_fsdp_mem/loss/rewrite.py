@@ -84,36 +84,27 @@ def rewrite_losses(trace: TraceCtx, chunks: int | None = None) -> tuple[TraceCtx
     replace: dict[int, object] = {}
     dropped: set[int] = set()
     found, left = [], []
+
+    def take(i: int, match) -> None:
+        if isinstance(match, Left):
+            left.append(match)
+            return
+        new, chain, record = match
+        if chunks is not None:
+            new = new.from_bsym(args=new.args[:CHUNKS_ARG] + (chunks,) + new.args[CHUNKS_ARG + 1 :])
+            record = dataclasses.replace(record, chunks=chunks)
+        replace[i] = new
+        dropped.update(chain)
+        found.append(record)
+
     consumed: set[int] = set()  # the per-chunk cross-entropies of a summed form, said or replaced with their sum
     for i, b in enumerate(bsyms):  # litgpt's chunked_cross_entropy first: its losses are summed rows
-        if b.sym.id != ltorch.sum.id or (parts := _summed(bsyms, i, producer)) is None:
-            continue
-        consumed.update(parts)
-        match = _match_split(bsyms, i, parts, producer, readers, returned)
-        if isinstance(match, Left):
-            left.append(match)
-            continue
-        new, chain, record = match
-        if chunks is not None:
-            new = new.from_bsym(args=new.args[:CHUNKS_ARG] + (chunks,) + new.args[CHUNKS_ARG + 1 :])
-            record = dataclasses.replace(record, chunks=chunks)
-        replace[i] = new
-        dropped.update(chain)
-        found.append(record)
+        if b.sym.id == ltorch.sum.id and (parts := _summed(bsyms, i, producer)) is not None:
+            consumed.update(parts)
+            take(i, _match_split(bsyms, i, parts, producer, readers, returned))
     for i, b in enumerate(bsyms):
-        if b.sym.id != ltorch.cross_entropy.id or i in consumed:
-            continue
-        match = _match(bsyms, i, producer, readers, returned)
-        if isinstance(match, Left):
-            left.append(match)
-            continue
-        new, chain, record = match
-        if chunks is not None:
-            new = new.from_bsym(args=new.args[:CHUNKS_ARG] + (chunks,) + new.args[CHUNKS_ARG + 1 :])
-            record = dataclasses.replace(record, chunks=chunks)
-        replace[i] = new
-        dropped.update(chain)
-        found.append(record)
+        if b.sym.id == ltorch.cross_entropy.id and i not in consumed:
+            take(i, _match(bsyms, i, producer, readers, returned))
     if not found and not left:
         left.extend(_outside(bsyms, producer))
     if not found:
