@@ -164,16 +164,28 @@ def _match(bsyms, i, producer, readers, returned):
             "its logits are not (rows, classes) with one class index per row",
             "reshape the logits to (-1, vocabulary) and the targets to (-1,)",
         )
+    match = _replacement(
+        bsyms, logits, reader, target, p["ignore_index"], p["reduction"], ce.output, producer, readers, returned
+    )
+    if isinstance(match, Left):
+        return match
+    new, chain, record = match
+    return new, [*moved, *chain], record
+
+
+def _replacement(bsyms, logits, reader, targets, ignore_index, reduction, output, producer, readers, returned):
+    """The chunked operator in place of the loss of ``logits`` (read by the symbol at ``reader``) and ``targets``,
+    bound to the loss's ``output``: ``(new symbol, the chain it replaces, what it is)``, or ``Left``."""
     head = _head(bsyms, logits, reader, producer, readers, returned)
     if isinstance(head, Left):
         return head
     chain, softcap, (hidden, weight, bias) = head
     chunks = candidate_chunks(_rows(hidden))[-1]
     new = linear_cross_entropy.bind(
-        hidden, weight, bias, target, p["ignore_index"], softcap, p["reduction"], chunks, a.dtype, output=ce.output
+        hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, logits.dtype, output=output
     )
-    record = Found((_rows(logits), shape(logits)[-1]), dtype_name(a), softcap, bias is not None, chunks)
-    return new, [*moved, *chain], record
+    record = Found((_rows(logits), shape(logits)[-1]), dtype_name(logits), softcap, bias is not None, chunks)
+    return new, chain, record
 
 
 def _outside(bsyms, producer) -> list[Left]:
@@ -261,15 +273,12 @@ def _match_split(bsyms, i, parts, producer, readers, returned):
         or (bsyms[s_logits].args[2:] or (bsyms[s_logits].kwargs.get("dim", 0),))[0] != 0
     ):
         return Left("its logits are not split by rows", "split the (rows, vocabulary) logits along the rows")
-    head = _head(bsyms, logits, s_logits, producer, readers, returned)
-    if isinstance(head, Left):
-        return head
-    chain, softcap, (hidden, weight, bias) = head
-    chunks = candidate_chunks(_rows(hidden))[-1]
-    new = linear_cross_entropy.bind(
-        hidden, weight, bias, targets, first["ignore_index"], softcap, "sum", chunks, logits.dtype, output=total.output
+    match = _replacement(
+        bsyms, logits, s_logits, targets, first["ignore_index"], "sum", total.output, producer, readers, returned
     )
-    record = Found(shape(logits), dtype_name(logits), softcap, bias is not None, chunks)
+    if isinstance(match, Left):
+        return match
+    new, chain, record = match
     gone = [s_logits, *parts]
     if all(r in ces for p in bsyms[s_targets].flat_proxy_outs for r in readers[p.name]):
         gone.append(s_targets)
