@@ -195,14 +195,17 @@ def test_transform_shows_both_plans_and_plots_them(tmp_path, capsys):
     # What the transform did, pass by pass: the saved bytes of the first pair's last applied pass are what the plan
     # without it saves before and the plan with it saves after (the same traces, estimated step by step).
     passes = report["transform_passes"]
-    # Before autograd, on a CPU, attention is left decomposed (no attention executor takes CPU tensors), and said.
-    assert "What the transform did" in text and [p["pass_name"] for p in passes][:4] == [
+    # Before autograd, on a CPU, attention is left decomposed (no attention executor takes CPU tensors), and said;
+    # so is the loss, computed eagerly after the compiled model (the report's default, --loss eager).
+    assert "What the transform did" in text and [p["pass_name"] for p in passes][:5] == [
         "attention executor",
+        "chunked loss",
         "folded casts",
         "fusion rematerialization",
         "rematerialization",
     ]
     assert passes[0]["outcome"] == "left as it was" and "of (T, T) probabilities" in passes[0]["note"]
+    assert passes[1]["outcome"] == "left as it was" and "the loss is computed after it" in passes[1]["note"]
     applied = [p for p in passes if p["outcome"] == "applied"]
     assert applied[0]["saved_before"] == without["saved_bytes"] and applied[-1]["saved_after"] == with_it["saved_bytes"]
     # The JSON names the plan of its top-level figures, carries the settings and the versions, and, per plan, the
