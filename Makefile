@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: report test test-slow lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test]' -c constraints.txt  # the ranges, at the exact versions CI proves
 	touch $(STAMP)
 
 report: $(STAMP)
