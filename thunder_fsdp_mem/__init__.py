@@ -6,6 +6,8 @@
 - ``FSDPMemoryTransform``: the Thunder transform (configured by ``MemoryConfig``).
 - ``LossModel``: a model and its cross-entropy in one module, so that the compiled step ends in the loss (which
   the transform then chunks).
+- ``chunked_linear_cross_entropy(hidden, weight, targets)``: the same chunked loss as a plain autograd function,
+  for a loss computed after the compiled model.
 - ``plan_fsdp2(model, memory_budget=..., tokens=...) -> MemoryConfig``: the transform's configuration that fits a
   per-rank budget under FSDP2 through ThunderFX.
 
@@ -26,6 +28,7 @@ _WHERE = {
     "estimate_traces": "thunder_fsdp_mem.analysis.step",
     "MemoryConfig": "thunder_fsdp_mem.config",
     "LossModel": "thunder_fsdp_mem.loss.model",
+    "chunked_linear_cross_entropy": "thunder_fsdp_mem.loss.function",
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
     "format_bytes": "thunder_fsdp_mem.units",
     "plan_fsdp2": "thunder_fsdp_mem.predict.plan",

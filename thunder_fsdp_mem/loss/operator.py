@@ -98,7 +98,9 @@ def _compiled_chunk_math():
     return torch.compile(_chunk_math_fused, dynamic=False, fullgraph=True)
 
 
-def _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads: bool):
+def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads=False):
+    """The loss (``grads`` False), or the loss and the gradients of ``hidden``, ``weight`` and ``bias`` (with respect
+    to the loss, as a tuple), chunk by chunk: what both the Thunder operator and the plain function run."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     counted = (t != ignore_index).sum()
@@ -131,11 +133,11 @@ def _run(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks
 
 
 def _loss_impl(*args):
-    return _run(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=False)
+    return run_chunks(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=False)
 
 
 def _with_grads_impl(*args):
-    return _run(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=True)
+    return run_chunks(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=True)
 
 
 linear_cross_entropy = loss_ex.register_operator(FORWARD, meta=_loss_meta, fn=_loss_impl)

@@ -1,0 +1,104 @@
+"""``chunked_linear_cross_entropy``: the chunked operator the transform puts in a trace, as a plain function for a
+loss computed outside every trace (after a model compiled by ``thunder.jit``, ThunderFX or ``torch.compile``, or in
+an eager FSDP2 module)::
+
+    from thunder_fsdp_mem import chunked_linear_cross_entropy
+
+    hidden = model_up_to_the_final_norm(idx)                      # (B, T, n_embd)
+    loss = chunked_linear_cross_entropy(hidden, gpt.lm_head.weight, targets)
+    loss.backward()
+
+It returns what ``F.cross_entropy(F.linear(hidden, weight, bias).reshape(-1, V), targets.reshape(-1))`` returns (with
+``softcap``: of the soft-capped logits), in ``hidden``'s dtype, without ever holding more than one chunk of logits:
+the forward computes the loss and the gradients of ``hidden``, ``weight`` and ``bias`` together (the way Liger's
+fused linear cross-entropy does) and the backward multiplies them by the loss's cotangent, in place. Each chunk is
+computed in float32, on CUDA by a ``torch.compile``'d kernel pair (``loss.operator``).
+
+``torch.compile`` (and ThunderFX) leave the call out of their graphs and run it as it is. Inside a ``thunder.jit``
+program, write the loss as ``F.cross_entropy`` instead: the transform chunks that, choosing the chunk count with its
+estimator. Under FSDP2 call it where the head's weight is unsharded (in the root module's forward, as the head
+itself runs), as any function that takes a parameter must.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from thunder_fsdp_mem.analysis.chunked_loss import candidate_chunks
+from thunder_fsdp_mem.loss.operator import run_chunks
+
+REDUCTIONS = ("mean", "sum")
+
+
+def default_chunks(rows: int, vocab: int, hidden: int) -> int:
+    """The chunk count when none is given: the fewest (of ``candidate_chunks``) whose chunk of logits is no larger
+    than the hidden states themselves (``rows x hidden``), so that the loss adds at most about its input's size."""
+    wanted = math.ceil(vocab / max(1, hidden))
+    counts = candidate_chunks(rows)
+    return next((count for count in counts if count >= wanted), counts[-1])
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks):
+        wants = ctx.needs_input_grad[:3]
+        if not any(wants):
+            return run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, hidden.dtype)
+        loss, *grads = run_chunks(
+            hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, hidden.dtype, grads=True
+        )
+        ctx.grads = [grad if want else None for grad, want in zip(grads + [None], wants)]
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("chunked_linear_cross_entropy: its backward runs once (the gradients are freed)")
+        scale = grad_loss.float()
+        return (*(None if g is None else g.mul_(scale.to(g.dtype)) for g in grads), None, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The cross-entropy of ``softcap(linear(hidden, weight, bias))`` against ``targets`` (the module docstring).
+
+    ``hidden``: (..., n_embd); ``weight``: (vocabulary, n_embd); ``targets``: ``hidden``'s leading shape, class
+    indices, ``ignore_index`` where no loss is wanted. ``reduction``: "mean" over the counted targets (nan when
+    none counts, as torch's) or "sum". ``chunks``: how many chunks of rows (default: ``default_chunks``)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"chunked_linear_cross_entropy: reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    if weight.ndim != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"chunked_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not "
+            "make a linear layer (weight: (vocabulary, hidden[-1]))"
+        )
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"chunked_linear_cross_entropy: targets {tuple(targets.shape)} must have hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])}"
+        )
+    rows = math.prod(hidden.shape[:-1])
+    if chunks is None:
+        chunks = default_chunks(rows, weight.shape[0], weight.shape[1])
+    elif chunks < 1:
+        raise ValueError(f"chunked_linear_cross_entropy: chunks must be at least 1, not {chunks}")
+    return _apply(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks)
+
+
+@torch._dynamo.disable
+def _apply(*args):
+    # Out of Dynamo's graphs: the chunks' compiled kernels are their own.
+    return _ChunkedLinearCrossEntropy.apply(*args)
