@@ -251,7 +251,7 @@ def test_the_workspace_counted_is_what_the_allocator_sees(dtype, softcap):
     w = torch.randn(vocab, hidden, dtype=dtype)
     t = torch.randint(0, vocab, (rows,))
     with CPUMemory(h, w, t) as memory:
-        out = operator._run(h, w, None, t, -100, softcap, "mean", chunks, dtype, grads=True)
+        out = operator.run_chunks(h, w, None, t, -100, softcap, "mean", chunks, dtype, grads=True)
     outputs = sum(o.nbytes for o in out)
     measured = memory.peak_bytes - memory.baseline_bytes - outputs
     counted = chunked_loss.workspace_bytes(

@@ -1,4 +1,7 @@
-"""docs/upstream/: the proposed change to Thunder's rematerialization, and our fusion pass beside it.
+"""docs/upstream/: the proposed changes to Thunder and litgpt, and what the package does beside them.
+
+The update_aliases patch leads the first name of a chain of in-place updates to the newest in one step and keeps
+the reproducer's result; litgpt patched with the vectorized window mask gives litgpt's logits bit for bit.
 
 On the reproducer's NeoX block, compiled by ThunderFX on CPU with attention in an operator executor (two fusions
 each way, as on CUDA), run for real:
@@ -12,7 +15,13 @@ each way, as on CUDA), run for real:
   (a fusion of fewer ops), and the results stay bit for bit.
 """
 
+import types
+from pathlib import Path
+from unittest.mock import patch
+
 import pytest
+import thunder
+import thunder.core.update_aliases as update_aliases
 import torch
 
 from support import upstream
@@ -24,6 +33,7 @@ from thunder_fsdp_mem.passes.pipeline import FUSIONS
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 SIZE = dict(tokens=64, width=128)
+UPSTREAM = Path(__file__).parents[1] / "docs" / "upstream"
 
 
 def _saved(forward_trace) -> int:
@@ -90,3 +100,60 @@ def test_a_recomputed_fusion_that_holds_a_layer_norm_runs_again_whole_bit_for_bi
     assert again and all(b._call_ctx == regions[b.sym.name]._call_ctx for b in again)
     assert all(accumulates(b) and len(b.subsymbols) == len(regions[b.sym.name].subsymbols) for b in again)
     assert _bitwise((forward, backward, *results), stock)
+
+
+# --- docs/upstream/update_aliases.patch and litgpt_window_mask.patch -------------------------------------------
+
+
+def _beside(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"thunder_fsdp_mem_upstream_{name}", UPSTREAM / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_update_aliases_patch_leads_the_first_name_to_the_newest_in_one_step_and_keeps_results():
+    from thunder.core.proxies import TensorProxy, variableify
+    from thunder.core.trace import TraceCtx, tracectx
+
+    repro = _beside("reproduce_update_aliases")
+    fixed = repro.patched_update_swap_map()
+    with tracectx(TraceCtx()):
+        proxy = thunder.core.proxies.proxy(torch.zeros(2))
+        names = [TensorProxy(like=proxy) for _ in range(4)]
+    stock_map, fixed_map = {}, {}
+    for new in names[1:]:  # three in-place updates of names[0]
+        update_aliases._update_swap_map(stock_map, variableify(names[0]), new)
+        fixed(fixed_map, variableify(names[0]), new)
+    assert stock_map[variableify(names[0])] is names[1]  # as it is: a chain, walked again at each update
+    assert fixed_map[variableify(names[0])] is names[3]  # patched: the first name leads to the newest in one step
+
+    def end(name):
+        while variableify(name) in fixed_map:
+            name = fixed_map[variableify(name)]
+        return name
+
+    assert all(end(n) is names[3] for n in names)
+    with patch.object(update_aliases, "_update_swap_map", new=fixed):
+        _, same = repro.first_call(48)
+    assert same
+
+
+def test_litgpts_patched_window_mask_gives_litgpts_logits_bit_for_bit():
+    import litgpt.model
+
+    from test_litgpt_source import _batch, tiny_gpt
+
+    apply_patch = _beside("patching").apply_patch
+    source = Path(litgpt.model.__file__).read_text()
+    patched = types.ModuleType("litgpt_model_patched")
+    patched.__file__ = litgpt.model.__file__
+    diff = (UPSTREAM / "litgpt_window_mask.patch").read_text()
+    exec(compile(apply_patch(source, diff), litgpt.model.__file__, "exec"), patched.__dict__)
+    stock = tiny_gpt("gemma-2-2b")
+    fixed = patched.GPT(stock.config)
+    fixed.load_state_dict(stock.state_dict())
+    idx, _ = _batch()
+    assert torch.equal(fixed(idx), stock(idx))

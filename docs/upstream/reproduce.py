@@ -19,7 +19,6 @@ producer's outputs, and nothing more is rematerialized into it.
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
 import types
 from pathlib import Path
@@ -34,27 +33,14 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
+sys.path.insert(0, str(Path(__file__).parent))
+from patching import apply_patch  # noqa: E402  (beside this file)
+
 PATCH = Path(__file__).with_name("rematerialization.patch")
 CALLERS = ("thunder.executors.torch_compile", "thunder.executors.nvfuserex_impl")  # who imported rematerialize
 
 
 # --- the proposed change, applied in-process ----------------------------------------------------------------
-
-
-def apply_patch(source: str, diff: str) -> str:
-    """``source`` with the unified ``diff``'s hunks applied (each hunk's old lines must be there as they are)."""
-    lines = source.splitlines(keepends=True)
-    offset = 0
-    hunks = re.split(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", diff, flags=re.M)
-    for start, body in zip(hunks[1::2], hunks[2::2]):
-        old = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "-")]
-        new = [line[1:] for line in body.splitlines(keepends=True) if line[:1] in (" ", "+")]
-        at = int(start) - 1 + offset
-        if lines[at : at + len(old)] != old:
-            raise ValueError(f"the patch does not apply at line {start}: this is not the Thunder it was made for")
-        lines[at : at + len(old)] = new
-        offset += len(new) - len(old)
-    return "".join(lines)
 
 
 def patched_rematerialization() -> types.ModuleType:

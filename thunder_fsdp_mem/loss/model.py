@@ -12,7 +12,9 @@ soft-cap (``final_logit_softcapping``) and the loss together, the way ``GPT.forw
 no KV cache): under FSDP2 each ``fully_shard`` unit breaks Dynamo's graph, and ``GPT.forward`` returning the
 logits would put the head and the loss in two ThunderFX subgraphs, where no pass sees both. Leave ``lm_head`` to
 the root's ``fully_shard`` (``training.modes.shard_fsdp2(..., loss_in_step=True)``) so that nothing breaks the
-graph between them. Any other module returning logits is called as it is.
+graph between them. Any other module returning logits is called as it is, and so is a ``GPT`` whose class is a
+subclass or whose ``GPT.forward`` is not the one this copy was checked against (``litgpt_source``: a warning says
+so once; under FSDP2 the head and the loss may then be compiled apart, and the loss is not chunked).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 from litgpt import GPT
 from litgpt.model import do_softcapping
+
+from thunder_fsdp_mem.litgpt_source import is_checked
 
 
 class LossModel(torch.nn.Module):
@@ -33,7 +37,9 @@ class LossModel(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         gpt = self.gpt
-        if isinstance(gpt, GPT):  # the head inline, in the frame of the loss (the module docstring says why)
+        if type(gpt) is GPT and is_checked(
+            GPT.forward
+        ):  # the head inline, in the frame of the loss (the module docstring says why)
             logits = gpt.lm_head(hidden_states(gpt, idx))
             if gpt.config.final_logit_softcapping is not None:
                 logits = do_softcapping(logits, gpt.config.final_logit_softcapping)
@@ -57,7 +63,8 @@ class HiddenStates(torch.nn.Module):
 
 
 def hidden_states(gpt: GPT, idx: torch.Tensor) -> torch.Tensor:
-    """``GPT.forward`` up to and with the final norm (training: no KV cache)."""
+    """``GPT.forward`` up to and with the final norm (training: no KV cache); ``tests/test_litgpt_source.py`` checks
+    it against ``GPT.forward`` bit for bit on every family the tests build."""
     config = gpt.config
     T = idx.size(1)
     if gpt.max_seq_length < T:
