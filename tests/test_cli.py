@@ -54,7 +54,6 @@ PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".
         (["report", "--block-size", "10000000"], "--block-size must be from 1 to 1048576 tokens"),
         (["report", "--no-transform", "--memory-budget", "60GB"], "--no-transform contradicts --memory-budget"),
         (["report", "--no-transform", "--no-fusion-rematerialize"], "--no-transform contradicts --[no-]fusion"),
-        (["report", "--loss", "trace"], "--loss trace is predicted under --mode jit and thunder-fsdp"),
         (["report", "--loss", "logits"], "invalid choice"),
     ],
 )

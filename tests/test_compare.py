@@ -19,14 +19,14 @@ def _run(*args, timeout=1500):
     )
 
 
-def _reported_plans(mode: str, tmp_path) -> list[dict]:
+def _reported_plans(mode: str, tmp_path, *options: str) -> list[dict]:
     """``thunder-fsdp-mem report --transform`` of the comparison's configuration in ``mode`` over 2 fake ranks: the
     plan without the transform, then with it."""
     from thunder_fsdp_mem.cli import main
 
     out = tmp_path / "report.json"
     report = "report --model pythia-14m --n-layers 2 --block-size 128 --world-size 2 --shard zero2 --device cpu"
-    assert main([*report.split(), "--mode", mode, "--transform", "--json", str(out)]) == 0
+    assert main([*report.split(), "--mode", mode, "--transform", *options, "--json", str(out)]) == 0
     return json.loads(out.read_text())["plans"]
 
 
@@ -156,6 +156,20 @@ def test_the_report_predicts_the_measured_fsdp2_rows(comparison, tmp_path):
     for plan, mode in ((without, "fsdp2-thunder"), (with_it, "fsdp2-thunder+mem")):
         measured = rows[mode]["peak_bytes"]
         assert abs(plan["peak_bytes"] - measured) <= 0.03 * measured, (mode, plan["peak_bytes"], measured)
+
+
+@pytest.mark.slow
+def test_the_report_predicts_fsdp2_with_the_loss_in_the_step(tmp_path):
+    # LossModel as FSDP2's root (it keeps the head's weight gathered, its gradient reduce-scattered last), the head
+    # and the chunked loss one ThunderFX graph after the final norm: measured on 2 gloo ranks, predicted over 2
+    # fake ones, both with the transform.
+    out = tmp_path / "out.json"
+    options = "--n-layers 2 --block-size 128 --steps 3 --warmup 1 --modes fsdp2-thunder+mem@loss=trace"
+    proc = _run(*CPU, *options.split(), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(out.read_text())["rows"][0]["peak_bytes"]
+    _, with_it = _reported_plans("fsdp2", tmp_path, "--loss", "trace")
+    assert abs(with_it["peak_bytes"] - measured) <= 0.03 * measured, (with_it["peak_bytes"], measured)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """predict/plan.py: ``plan_fsdp2``, a memory budget for FSDP2 through ThunderFX from Python in one call, checked on
-2 gloo ranks against the peak measured there (``cpu_memory``): the planned step fits the budget, the step without
-it did not; and what the plan reads from a model under ``fully_shard``."""
+2 gloo ranks against the peak measured there (``cpu_memory``), the loss eager and in the step: the planned step fits
+the budget, the step without it did not; and what the plan reads from a model under ``fully_shard``."""
 
 import pytest
 import torch
@@ -17,7 +17,10 @@ def ranks():
 
 
 @pytest.mark.slow
-def test_a_budget_planned_from_python_is_met_on_two_ranks(ranks):
+@pytest.mark.parametrize("loss", ["eager", "trace"])
+def test_a_budget_planned_from_python_is_met_on_two_ranks(ranks, loss):
+    # trace: LossModel as the root, the plan told where the loss is by the model it is given.
+    ranks = [r for r in ranks if r["loss"] == loss]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert r["saved_budget"] is not None
@@ -39,7 +42,7 @@ def test_the_spec_of_a_litgpt_config_is_the_config():
 
 def test_bad_input_is_refused():
     config = BY_NAME["neox"].config()
-    with pytest.raises(TypeError, match="litgpt GPT or Config"):
+    with pytest.raises(TypeError, match="a litgpt GPT, a LossModel of one, or a litgpt Config"):
         plan_fsdp2(torch.nn.Linear(2, 2), memory_budget=10**9, tokens=64)
     with pytest.raises(ValueError, match="memory_budget must be a number of bytes"):
         plan_fsdp2(config, memory_budget=0.5, tokens=64)

@@ -135,8 +135,8 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         choices=("eager", "trace"),
         default="eager",
         help="where the step computes its cross-entropy: eager, after the compiled model (as Thunder's benchmarks "
-        "do), or trace, compiled with it (thunder_fsdp_mem.LossModel), where the transform chunks it; trace: "
-        "--mode jit or thunder-fsdp (default eager)",
+        "do), or trace, compiled with it (thunder_fsdp_mem.LossModel; under fsdp2 the root), where the transform "
+        "chunks it (default eager)",
     )
     parser.add_argument(
         "--fusion-rematerialize",

@@ -129,11 +129,6 @@ def _check_parallelism(args) -> None:
     else:
         args.shard = args.shard or "zero2"
         args.world_size = args.world_size or 2
-    if getattr(args, "loss", "eager") == "trace" and args.mode == "fsdp2":
-        raise UsageError(
-            "--loss trace is predicted under --mode jit and thunder-fsdp; the FSDP2 prediction composes the eager "
-            "loss (benchmarks/compare.py --modes fsdp2-thunder+mem@loss=trace measures it)"
-        )
 
 
 def _check_paths(args) -> None:

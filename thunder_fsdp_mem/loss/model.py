@@ -37,14 +37,20 @@ class LossModel(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         gpt = self.gpt
-        if type(gpt) is GPT and is_checked(
-            GPT.forward
-        ):  # the head inline, in the frame of the loss (the module docstring says why)
-            logits = gpt.lm_head(hidden_states(gpt, idx))
-            if gpt.config.final_logit_softcapping is not None:
-                logits = do_softcapping(logits, gpt.config.final_logit_softcapping)
-        else:
-            logits = gpt(idx)
+        if type(gpt) is GPT and is_checked(GPT.forward):  # the head in the frame of the loss (see above)
+            return self.head_loss(hidden_states(gpt, idx), targets)
+        return self.loss(gpt(idx), targets)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A litgpt ``GPT``'s head, soft-cap and loss, from the final norm's output ``x``: what one ThunderFX graph
+        runs under FSDP2 (``predict.thunderfx.trace_tail`` traces it alone)."""
+        logits = self.gpt.lm_head(x)
+        if self.gpt.config.final_logit_softcapping is not None:
+            logits = do_softcapping(logits, self.gpt.config.final_logit_softcapping)
+        return self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of ``logits`` (..., vocabulary) against ``targets`` over every position."""
         return torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=self.ignore_index
         )

@@ -52,18 +52,15 @@ def trace_step(
     (FSDP2 through ThunderFX, composed by ``fsdp2.compose_step``); ``shard`` zero2 or zero3 for the last two.
     ``executors``: ``runtime.executors``' choice. ``transform``: the ``FSDPMemoryTransform`` to compile with, None
     for none (its ``rewrites`` then say what it did). ``loss``: ``eager``, cross-entropy after the compiled model,
-    or ``trace``, the model and its loss compiled together (``LossModel``; which the transform chunks), for
-    ``jit`` and ``thunder-fsdp``."""
+    or ``trace``, the model and its loss compiled together (``LossModel``; which the transform chunks)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     if mode == "jit" and (shard is not None or world_size != 1):
         raise ValueError("mode jit runs one process: no shard and a world size of 1")
     if mode != "jit" and shard not in SHARDS:
         raise ValueError(f"shard must be one of {', '.join(SHARDS)}; got {shard!r}")
-    if loss not in LOSSES or (loss == "trace" and mode == "fsdp2"):
-        raise ValueError(
-            f"loss must be one of {', '.join(LOSSES)} (trace: with mode jit or thunder-fsdp); got {loss!r}"
-        )
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
     if mode == "fsdp2":
         return fsdp2.compose_step(
             spec,
@@ -74,6 +71,7 @@ def trace_step(
             micro_batch_size=micro_batch_size,
             executors=executors,
             transform=transform,
+            loss=loss,
         )
     transforms = [transform] if transform is not None else []  # fresh: thunder.jit keeps the list
     ranks = fake_ranks(world_size) if mode == "thunder-fsdp" else nullcontext()

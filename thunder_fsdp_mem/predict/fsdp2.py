@@ -7,7 +7,8 @@ the ``MemoryConfig.saved_budget`` each block's transform needs for the step to f
 
 The set-up is ``benchmarks/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``, ``wte``,
 ``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
-``torch.compile(backend=ThunderCompiler(...))``; the loss is eager cross-entropy on the logits.
+``torch.compile(backend=ThunderCompiler(...))``; the loss eager cross-entropy on the logits, or (``loss="trace"``)
+in the step: ``LossModel`` is the root and keeps ``lm_head`` (``modes.shard_fsdp2(..., root=LossModel(gpt))``).
 
 How such a step runs, and how it is composed here:
 
@@ -30,6 +31,10 @@ How such a step runs, and how it is composed here:
     unsharded gradients freed (``foreach_reduce`` clears its list, but the parameters' ``grad`` still hold them);
     the input is freed when the next unit's reduce-scatter starts (the last at the end of the backward).
 - The caller holds the logits until ``backward`` returns; the loss is ``step.loss_allocations``.
+- With the loss in the step, the root's pre-forward gathers the head's weight before any other unit and FSDP2
+  keeps a root gathered through the backward; after ``ln_f`` the head, its soft-cap and the loss are one ThunderFX
+  graph (``thunderfx.trace_tail``, which the transform chunks), whose backward runs first; the root's gradients
+  are reduce-scattered last, in FSDP2's final callback (the root's input, the token ids, takes no gradient to hook).
 
 What each unit, FSDP2, autograd and the caller hold is kept in ``step.Holdings``, the same ledger ``estimate_step``
 composes its step with, and the step is ``step.step_memory`` of its phases. ``_compose`` walks the step: the
@@ -38,7 +43,8 @@ persistent state, each unit's forward (``_Forward``) between FSDP2's gathers, th
 and FSDP2's own collectives are ``fsdp2_units``'.
 
 Limitations: litgpt's plain ``GPT.forward`` only (embedding, blocks, final norm, head); configurations with
-``final_logit_softcapping`` or ``rope_indices`` are refused, and ``scale_embeddings``' product is not counted.
+``rope_indices`` are refused, and so is ``final_logit_softcapping`` with the eager loss; ``scale_embeddings``'
+product is not counted; a head tied to the embedding is not modelled (the composed model is untied).
 Parameters are bf16 or fp32 as given, with no mixed-precision casts. The optimizer's own step and allocator
 rounding are not modelled, as in ``estimate_step``.
 """
@@ -67,6 +73,7 @@ from thunder_fsdp_mem.analysis.step import (
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.loss.model import LossModel
 from thunder_fsdp_mem.predict.fsdp2_units import (
     AUTOGRAD,
     CALLER,
@@ -82,11 +89,12 @@ from thunder_fsdp_mem.predict.fsdp2_units import (
     units,
 )
 from thunder_fsdp_mem.predict.meta import as_on
-from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks
+from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks, trace_tail
 from thunder_fsdp_mem.training import models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
+LOSSES = ("eager", "trace")
 
 
 def compose_step(
@@ -99,16 +107,21 @@ def compose_step(
     micro_batch_size: int = 1,
     executors="default+cat",
     transform: FSDPMemoryTransform | None = None,
+    loss: str = "eager",
 ) -> StepMemory:
     """The estimated memory per rank of one step of ``spec`` under FSDP2 and ThunderFX on ``world_size`` ranks of
     ``device_type``; ``shard`` zero2 or zero3; ``executors``: ``runtime.executors``' choice, or Thunder's
-    executors as a list; ``transform``: the ``FSDPMemoryTransform`` to compile the blocks with (None: without it)."""
+    executors as a list; ``transform``: the ``FSDPMemoryTransform`` to compile the blocks with (None: without it);
+    ``loss``: ``eager`` (cross-entropy on the logits after the model) or ``trace`` (``LossModel`` as the root: the
+    head and the loss in one ThunderFX graph, which the transform chunks)."""
     if shard not in runtime.SHARDS:
         raise ValueError(f"shard must be one of {', '.join(runtime.SHARDS)}; got {shard!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}; got {loss!r}")
     config = spec.config()
-    refused = unsupported(config)
+    refused = unsupported(config, loss)
     if refused:
         raise NotImplementedError(f"{spec.name}: the fsdp2 composition does not model {', '.join(refused)}")
     chosen = runtime.executors(executors) if isinstance(executors, str) else list(executors)
@@ -119,7 +132,11 @@ def compose_step(
         gpt = gpt.to(dtype)
         idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
-        return _compose(gpt, world_size, shard == "zero3", blocks, idx, targets, device_type)
+        tail = None
+        if loss == "trace":
+            x = torch.empty(*idx.shape, config.n_embd, dtype=dtype, device="meta")
+            tail = trace_tail(LossModel(gpt), x, targets, chosen, transform, device_type)
+        return _compose(gpt, world_size, shard == "zero3", blocks, tail, idx, targets, device_type)
 
 
 def fit_budget(
@@ -161,24 +178,30 @@ def _block_saved(step: StepMemory) -> int:
     )
 
 
-def unsupported(config) -> list[str]:
-    """The fields of a litgpt ``Config`` that the composition does not model and that ``config`` sets."""
-    return [name for name in UNSUPPORTED if getattr(config, name, None) is not None]
+def unsupported(config, loss: str = "eager") -> list[str]:
+    """The fields of a litgpt ``Config`` that the composition does not model and that ``config`` sets (with the loss
+    in the step, the head's soft-cap is in the traced graph)."""
+    fields = [name for name in UNSUPPORTED if loss == "eager" or name != "final_logit_softcapping"]
+    return [name for name in fields if getattr(config, name, None) is not None]
 
 
-def _compose(gpt, world_size: int, zero3: bool, blocks: BlockTraces, idx, targets, device_type: str) -> StepMemory:
+def _compose(
+    gpt, world_size: int, zero3: bool, blocks: BlockTraces, tail: BlockTraces | None, idx, targets, device_type: str
+) -> StepMemory:
     """Walks one step in the order it runs, keeping the ledger of what FSDP2, the model, autograd and the caller
     hold: the persistent state, each unit's forward between FSDP2's gathers, the loss, each unit's backward
-    between FSDP2's gathers and reduce-scatters, the optimizer's step."""
-    ledger, model_units = Holdings(), units(gpt, world_size)
+    between FSDP2's gathers and reduce-scatters, the optimizer's step. ``tail``: the graph of the head and the loss
+    (the loss in the step: the head's weight is the root unit's), None for the eager loss."""
+    ledger, model_units = Holdings(), units(gpt, world_size, loss_in_step=tail is not None)
     hold_persistent(ledger, model_units, gpt, (idx, targets), device_type)
     fsdp = Collectives(ledger, zero3)
-    forward = _Forward(ledger, fsdp, blocks)
+    forward = _Forward(ledger, fsdp, blocks, tail)
     logits = forward.run(model_units, idx)
     fsdp.forward_done()
     saved_bytes = sum(ledger[k].nbytes for k in ledger.held_by(Role.SAVED) if k.kind is not Held.INPUT)
-    _loss(ledger, logits)
-    _Backward(ledger, fsdp, blocks, model_units, forward.inputs).run()
+    if tail is None:
+        _loss(ledger, logits)
+    _Backward(ledger, fsdp, blocks, tail, model_units, forward.inputs).run()
     fsdp.backward_done()
     _optimizer_step(ledger, model_units, gpt, device_type)
     return step_memory(
@@ -213,18 +236,23 @@ class _Forward:
     shows what autograd saves; each block as its ThunderFX forward trace says. ``inputs``: each unit's float input,
     what its backward returns a gradient for."""
 
-    def __init__(self, ledger: Holdings, fsdp: Collectives, blocks: BlockTraces):
-        self.ledger, self.fsdp, self.blocks = ledger, fsdp, blocks
+    def __init__(self, ledger: Holdings, fsdp: Collectives, blocks: BlockTraces, tail: BlockTraces | None):
+        self.ledger, self.fsdp, self.blocks, self.tail = ledger, fsdp, blocks, tail
         self.inputs: dict[str, Allocation] = {}
 
     def run(self, model_units: list[Unit], idx: torch.Tensor) -> Key:
-        """The forward of every unit in turn; returns the key of the logits."""
-        wte, *blocks, ln_f, lm_head = model_units
+        """The forward of every unit in turn; returns the key of the logits (of the loss, with the loss in the
+        step: the root unit, gathered first, runs the head and the loss after the final norm)."""
+        wte, *blocks, ln_f, last = model_units
+        if self.tail is not None:
+            self.fsdp.gather(last, forward=True)
         x, key = self._eager(wte, idx, Key(Held.INPUT, item="token ids"))
         for unit in blocks:
             key = self._block(unit, key)
         x, key = self._eager(ln_f, torch.empty_like(x), key)
-        _, key = self._eager(lm_head, x, key)
+        if self.tail is not None:
+            return self._block(last, key, self.tail, reshard=False)  # FSDP2 keeps the root gathered
+        _, key = self._eager(last, x, key)
         return key
 
     def _eager(self, unit: Unit, x: torch.Tensor, x_key: Key) -> tuple[torch.Tensor, Key]:
@@ -259,10 +287,13 @@ class _Forward:
         self._done(unit, x_key if x.is_floating_point() else None)
         return out, out_key
 
-    def _block(self, unit: Unit, x_key: Key) -> Key:
-        ledger, blocks = self.ledger, self.blocks
+    def _block(self, unit: Unit, x_key: Key, traces: BlockTraces | None = None, *, reshard: bool = True) -> Key:
+        """A unit that runs a ThunderFX graph (``traces``: the blocks' where None) between FSDP2's gather and its
+        reshard (zero3; ``reshard`` False: the root's, which FSDP2 keeps gathered)."""
+        ledger, blocks = self.ledger, traces or self.blocks
+        path = unit.path if traces is None else None  # the tail's names are the model's already
         self.fsdp.gather(unit, forward=True)
-        ledger.phase(Stage.FORWARD, f"forward: {unit.name}", placed_timeline(blocks.forward, unit.path), inside=[x_key])
+        ledger.phase(Stage.FORWARD, f"forward: {unit.name}", placed_timeline(blocks.forward, path), inside=[x_key])
         holder = Holder(Role.SAVED, unit.name)
         outputs = blocks.forward.outputs
         output = outputs[blocks.output]
@@ -278,17 +309,17 @@ class _Forward:
             if a.name == blocks.activation:
                 ledger.hold(x_key, ledger[x_key], holder)
             elif not a.external:  # parameters and rope tables are held by FSDP2 and the model
-                ledger.hold(Key(Held.SAVED, unit.name, i), renamed(a, a.name, a.category, unit.path), holder)
-        self._done(unit, x_key)
+                ledger.hold(Key(Held.SAVED, unit.name, i), renamed(a, a.name, a.category, path), holder)
+        self._done(unit, x_key, reshard=reshard)
         return out_key
 
-    def _done(self, unit: Unit, x_key: Key | None) -> None:
+    def _done(self, unit: Unit, x_key: Key | None, *, reshard: bool = True) -> None:
         """After a unit's forward: the model's ``forward`` lets go of the unit's input (autograd keeps what it
         saved) and zero3 reshards the unit."""
         if x_key is not None:
             self.inputs[unit.name] = self.ledger[x_key]
             self.ledger.release(x_key, CALLER)
-        if self.fsdp.zero3:
+        if self.fsdp.zero3 and reshard:
             self.fsdp.reshard(unit)
 
 
@@ -302,30 +333,40 @@ class _Backward:
         ledger: Holdings,
         fsdp: Collectives,
         blocks: BlockTraces,
+        tail: BlockTraces | None,
         model_units: list[Unit],
         inputs: dict[str, Allocation],
     ):
-        self.ledger, self.fsdp, self.blocks, self.units, self.inputs = ledger, fsdp, blocks, model_units, inputs
+        self.ledger, self.fsdp, self.blocks, self.tail = ledger, fsdp, blocks, tail
+        self.units, self.inputs = model_units, inputs
 
     def run(self) -> None:
+        """Last unit first. With the loss in the step the root's backward (the head and the loss) comes first and
+        its reduce-scatter last: FSDP2 runs the root's post-backward in its final callback, its input being the
+        token ids, which take no gradient."""
         order = list(reversed(self.units))
         for i, unit in enumerate(order):
             following = order[i + 1] if i + 1 < len(order) else None
             self.fsdp.pre_backward(unit, following)
             if unit.is_block:
                 self._block(unit)
+            elif self.tail is not None and i == 0:
+                self._block(unit, self.tail)
+                continue
             else:
                 self._eager(unit)
             self.fsdp.post_backward(unit)
+        if self.tail is not None:
+            self.fsdp.post_backward(order[0])
 
-    def _block(self, unit: Unit) -> None:
-        ledger, blocks = self.ledger, self.blocks
+    def _block(self, unit: Unit, traces: BlockTraces | None = None) -> None:
+        ledger, blocks = self.ledger, traces or self.blocks
         saved = ledger.held_by(Role.SAVED, unit.name)
         incoming = Key(Held.INCOMING_GRADIENT, unit.name)
         ledger.phase(
             Stage.BACKWARD,
             f"backward: {unit.name}",
-            placed_timeline(blocks.backward, unit.path),
+            placed_timeline(blocks.backward, unit.path if traces is None else None),
             inside=[*saved, incoming],
         )
         self._done(unit, saved)

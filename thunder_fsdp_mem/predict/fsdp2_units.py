@@ -66,14 +66,21 @@ class Unit:
         return isinstance(self.module, Block)
 
 
-def units(gpt, world_size: int) -> list[Unit]:
-    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/compare.py`` wraps it, in the order its forward runs."""
+def units(gpt, world_size: int, *, loss_in_step: bool = False) -> list[Unit]:
+    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/compare.py`` wraps it, in the order its forward runs
+    (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
+    hooks would otherwise break Dynamo's graph between the head and the loss), last."""
     t = gpt.transformer
+    head = (
+        _unit("root", "lm_head", gpt.lm_head, world_size)
+        if loss_in_step
+        else _unit("lm_head", "lm_head", gpt.lm_head, world_size)
+    )
     return [
         _unit("wte", "transformer.wte", t.wte, world_size),
         *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
         _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
-        _unit("lm_head", "lm_head", gpt.lm_head, world_size),
+        head,
     ]
 
 
@@ -142,7 +149,7 @@ def unplaced(a: Allocation) -> Allocation:
     return dataclasses.replace(a, module=None, after=None, op="", role=None)
 
 
-def placed_timeline(timeline: MemoryTimeline, path: str) -> MemoryTimeline:
+def placed_timeline(timeline: MemoryTimeline, path: str | None) -> MemoryTimeline:
     """The block graph's timeline as the unit at ``path`` runs it: its allocations named in the model."""
     return dataclasses.replace(
         timeline,

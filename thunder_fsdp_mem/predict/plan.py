@@ -3,25 +3,26 @@
 ``plan_fsdp2(model, memory_budget=..., tokens=...) -> MemoryConfig``: the configuration of ``FSDPMemoryTransform``
 under which a litgpt model's FSDP2 step through ThunderFX fits ``memory_budget`` bytes per rank::
 
-    config = plan_fsdp2(model, memory_budget=60 * 2**30, tokens=8192)   # model: a litgpt GPT under fully_shard
+    config = plan_fsdp2(model, memory_budget=60 * 2**30, tokens=8192)   # model: LossModel(gpt) or gpt, sharded
     backend = ThunderCompiler(transforms=[FSDPMemoryTransform(config)])
     model = torch.compile(model, backend=backend)
 
 FSDP2 compiles every block alone, so a block's transform cannot see the step it is part of: the step's budget has
 to become what each block may save for backward (``MemoryConfig.saved_budget``). This composes the step on the
 meta device as it will run (``fsdp2.fit_budget``: the blocks' ThunderFX traces with the transform, FSDP2's
-gathered parameters and buffers, the eager cross-entropy, AdamW's state and step) and lowers the blocks' saved
-budget until the composed peak fits. What it reads from ``model``: the litgpt ``Config``, the world size (the
-parameters' device mesh), zero2 or zero3 (FSDP2's ``reshard_after_forward`` on the blocks) and the parameters'
-dtype; each can be given instead. ``executors`` must be those the model is compiled with (Thunder's defaults when
-``ThunderCompiler`` is given none).
+gathered parameters and buffers, the loss, AdamW's state and step) and lowers the blocks' saved budget until the
+composed peak fits. What it reads from ``model``: the litgpt ``Config``, the world size (the parameters' device
+mesh), zero2 or zero3 (FSDP2's ``reshard_after_forward`` on the blocks), the parameters' dtype, and where the loss
+is (a ``LossModel``: in the step, its head and loss one ThunderFX graph that the transform chunks; a ``GPT``: eager
+cross-entropy on the logits after it); each can be given instead. ``executors`` must be those the model is
+compiled with (Thunder's defaults when ``ThunderCompiler`` is given none).
 
 Every rank computes the same plan from the same arguments (tracing on the meta device depends on shapes only), so
 the ranks' transforms make the same choices and issue the same collectives. Call it before ``torch.compile``: it
 resets Dynamo, whose compiled code it would otherwise mix with its own.
 
 Limitations: what ``fsdp2.compose_step`` models (litgpt's ``GPT`` with the wrapping of ``benchmarks/compare.py``:
-each Block, ``lm_head``, ``wte``, ``ln_f``, the root; the loss eager cross-entropy on the logits; AdamW); parameters
+each Block, ``wte``, ``ln_f``, ``lm_head`` or a ``LossModel`` root, the root; AdamW); parameters
 computed in their own dtype (a ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the parameters' is
 refused); a litgpt configuration known by name (``Config.from_name``), with any of its fields changed.
 """
@@ -57,11 +58,13 @@ def plan_fsdp2(
     device_type: str = "cuda",
     memory_cap: int | str | None = None,
     config: MemoryConfig | None = None,
+    loss: str | None = None,
 ) -> MemoryConfig:
     """The ``MemoryConfig`` whose blocks' saved budget makes ``model``'s FSDP2 step fit ``memory_budget`` bytes per
     rank (see the module's docstring).
 
-    model: a litgpt ``GPT`` (under ``fully_shard`` or not, compiled or not) or a litgpt ``Config``.
+    model: a litgpt ``GPT`` or a ``LossModel`` of one (under ``fully_shard`` or not, compiled or not) or a litgpt
+        ``Config``.
     memory_budget: the per-rank peak of allocated bytes (an int, or a size: ``"60GiB"``, ``"64GB"``).
     tokens, micro_batch_size: the step's sequence length and sequences per rank.
     world_size, shard (``zero2``/``zero3``), dtype: as the model says where None (a ``Config`` says nothing: then
@@ -72,13 +75,17 @@ def plan_fsdp2(
     memory_cap: the most the caching allocator may reserve (the GPU's memory): the plan must then also run in the
         allocator's replay under it (``MemoryConfig.memory_cap``).
     config: the other options of the transform (``MemoryConfig()`` where None); its budgets are replaced.
+    loss: ``trace`` (the loss in the compiled step: ``LossModel`` as FSDP2's root) or ``eager`` (after the model);
+        None: ``trace`` for a ``LossModel``, else ``eager``.
 
     Where the budget cannot be met, the plan nearest to it is returned with a warning that names its predicted
     peak (``config.strict``: raises)."""
     base = config if config is not None else MemoryConfig()
     budget = _bytes("memory_budget", memory_budget)
     cap = _bytes("memory_cap", memory_cap) if memory_cap is not None else None
-    litgpt_config, gpt = _litgpt(model)
+    litgpt_config, gpt, found_loss = _litgpt(model)
+    if loss is not None and loss not in fsdp2.LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(fsdp2.LOSSES)}, got {loss!r}")
     options = {  # compose_step's, each None as the model says
         "world_size": world_size if world_size is not None else _world_size(gpt),
         "shard": shard if shard is not None else _shard(gpt),
@@ -86,6 +93,7 @@ def plan_fsdp2(
         "executors": executors if executors is not None else "default",
         "device_type": device_type,
         "micro_batch_size": micro_batch_size,
+        "loss": loss if loss is not None else found_loss,
     }
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
@@ -94,11 +102,12 @@ def plan_fsdp2(
     step, planned, _ = fsdp2.fit_budget(spec, wanted, **options)
     short = over_cap(step, cap) if cap is not None else 0
     log.info(
-        "plan_fsdp2: %s, %d rank(s), %s, %d tokens: each block saves at most %s; predicted peak %s",
+        "plan_fsdp2: %s, %d rank(s), %s, %d tokens, %s loss: each block saves at most %s; predicted peak %s",
         litgpt_config.name,
         options["world_size"],
         options["shard"],
         tokens,
+        options["loss"],
         _saved(planned),
         format_bytes(step.peak_bytes),
     )
@@ -127,15 +136,19 @@ def _bytes(name: str, value) -> int:
 
 
 def _litgpt(model):
-    """(the litgpt ``Config``, the ``GPT`` or None) of ``model``."""
+    """(the litgpt ``Config``, the ``GPT`` or None, where the loss is) of ``model``."""
     from litgpt import GPT, Config
 
+    from thunder_fsdp_mem.loss.model import LossModel
+
     if isinstance(model, Config):
-        return model, None
+        return model, None, "eager"
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if isinstance(inner, LossModel) and isinstance(inner.gpt, GPT):
+        return inner.gpt.config, inner.gpt, "trace"
     if isinstance(inner, GPT):
-        return inner.config, inner
-    raise TypeError(f"model must be a litgpt GPT or Config, got {type(model).__name__}")
+        return inner.config, inner, "eager"
+    raise TypeError(f"model must be a litgpt GPT, a LossModel of one, or a litgpt Config, got {type(model).__name__}")
 
 
 def _world_size(gpt) -> int:

@@ -1,6 +1,7 @@
 """The ThunderFX graph that every litgpt block runs under FSDP2, traced on the meta device and analysed.
 
-Entry point: ``trace_blocks(gpt, idx, executors, transform, device_type) -> BlockTraces``.
+Entry points: ``trace_blocks(gpt, idx, executors, transform, device_type) -> BlockTraces``, and
+``trace_tail(loss_model, x, targets, ...)``, the graph of a ``LossModel``'s head and loss (the loss in the step).
 
 Dynamo does not trace FSDP2's hooks, so it breaks the graph at every ``fully_shard`` unit: each Block's forward is
 one ThunderFX graph, compiled once and run for every block. Here the blocks are compiled with ``ThunderCompiler``
@@ -48,9 +49,7 @@ def trace_blocks(
     """Compile the blocks as FSDP2's graph breaks leave them (each Block's forward alone) with ThunderFX, run them
     forward and backward on the meta device, and analyse the one graph they all run. ``transform``: the
     ``FSDPMemoryTransform`` to compile with, None for none."""
-    torch._dynamo.reset()
-    transforms = [transform] if transform is not None else []  # fresh: ThunderCompiler appends to it
-    backend = ThunderCompiler(executors=executors, transforms=transforms)
+    backend = _backend(executors, transform)
     T = idx.size(1)
     cos, sin = gpt.cos[:T].unsqueeze(0), gpt.sin[:T].unsqueeze(0)
     x = gpt.transformer.wte(idx).detach().requires_grad_(True)
@@ -58,12 +57,40 @@ def trace_blocks(
     for block in gpt.transformer.h:
         y = torch.compile(block, backend=backend)(y, cos, sin)
     y.backward(torch.empty_like(y))
+    return _analysed(backend, "blocks", x, scopes_of(gpt.transformer.h[0]), transform, device_type)
+
+
+def trace_tail(
+    loss_model, x: torch.Tensor, targets: torch.Tensor, executors: list, transform, device_type: str
+) -> BlockTraces:
+    """The ThunderFX graph that ``LossModel`` runs under FSDP2 after the final norm's unit (``head_loss``: the head,
+    its soft-cap and the loss, which the transform chunks), compiled alone, run forward and backward on the meta
+    device from the final norm's output ``x``, and analysed."""
+    backend = _backend(executors, transform)
+    x = x.detach().requires_grad_(True)
+
+    def tail(x, targets):  # Dynamo names the arguments l_x_ and l_targets_
+        return loss_model.head_loss(x, targets)
+
+    torch.compile(tail, backend=backend)(x, targets).backward()
+    return _analysed(backend, "head and loss", x, scopes_of(loss_model.gpt), transform, device_type)
+
+
+def _backend(executors: list, transform: FSDPMemoryTransform | None) -> ThunderCompiler:
+    torch._dynamo.reset()
+    transforms = [transform] if transform is not None else []  # fresh: ThunderCompiler appends to it
+    return ThunderCompiler(executors=executors, transforms=transforms)
+
+
+def _analysed(backend, what: str, x: torch.Tensor, scopes, transform, device_type: str) -> BlockTraces:
+    """The traces of the one Thunder function ``backend`` compiled, placed at the user's lines and analysed;
+    ``x``: the graph's activation input."""
     torch._dynamo.reset()
     fns = [fn for info in backend.subgraph_infos for fn in (info.thunder_compiled_fns or [])]
     if len(backend.subgraph_infos) != 1 or len(fns) != 1 or backend.subgraph_infos[0].split_reasons:
         raise NotImplementedError(
-            f"the blocks compile to {len(backend.subgraph_infos)} graphs and {len(fns)} Thunder functions; the "
-            "fsdp2 composition needs one graph that every block runs"
+            f"the {what} compile to {len(backend.subgraph_infos)} graphs and {len(fns)} Thunder functions; the "
+            "fsdp2 composition needs one graph"
         )
     sources = _fx_sources(backend.subgraph_infos[0].split_graph_module)
     if transform is not None:  # what it recomputes, placed at the user's lines as the traces below are
@@ -72,7 +99,6 @@ def trace_blocks(
     backward_trace = _placed_at_user_lines(thunder.last_backward_traces(fns[0])[-1], sources)
     activation = _activation_name(forward_trace, tuple(x.shape))
     output, saved = _returned(forward_trace)
-    scopes = scopes_of(gpt.transformer.h[0])  # the graph's names are the block's own (attn.qkv.weight)
     forward = analyze(forward_trace, inputs=_forward_specs(forward_trace), device_type=device_type, scopes=scopes)
     backward = analyze(
         backward_trace,
