@@ -14,7 +14,7 @@ from thunder_fsdp_mem import LossModel, litgpt_source
 
 TINY = dict(n_embd=64, n_head=4, head_size=16, intermediate_size=128, padded_vocab_size=512, vocab_size=500)
 # Every family the tests build, and more: soft-capped and tied heads, sliding windows and two rope caches, biases,
-# parallel residual, multi-query and grouped-query attention, mixtures of experts.
+# parallel residual, multi-query and grouped-query attention, mixtures of experts, q/k norms and post-norms.
 FAMILIES = {
     "stablecode-completion-alpha-3b": {},
     "pythia-14m": {},
@@ -27,6 +27,7 @@ FAMILIES = {
     "falcon-7b": dict(n_query_groups=1),
     "Mixtral-8x7B-v0.1": dict(n_query_groups=2, n_expert=4, n_expert_per_token=2),
     "Qwen3-30B-A3B": dict(n_query_groups=2, moe_intermediate_size=32, n_expert=4, n_expert_per_token=2),
+    "OLMo-2-1124-7B": dict(n_query_groups=4),
 }
 
 
