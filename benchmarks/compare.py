@@ -18,7 +18,8 @@ every block. Any mode takes ``loss``: where the step computes its loss (``eager`
 logits after the compiled model; ``trace``: the model and its loss compiled together,
 ``thunder_fsdp_mem.LossModel``, which a +mem mode chunks; ``liger``, ``cce``: Liger-Kernel's or Cut Cross-Entropy's
 fused linear cross-entropy after the model compiled up to its final norm, from ``pip install .[bench]``, a mode
-skipped with a line where the package is absent; not under Thunder's fsdp or FSDP1).
+skipped with a line where the package is absent; ``chunked``: the package's own ``chunked_linear_cross_entropy``
+there; these three not under Thunder's fsdp or FSDP1).
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -79,7 +80,7 @@ def _modes_help() -> str:
             "",
             "a mode's own options, after @ (several allowed): ex=default|default+cat|default+inductor|fused",
             "(Thunder's executors),",
-            "loss=eager|trace|liger|cce; +mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
+            "loss=eager|trace|liger|cce|chunked; +mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
             "fold=0|1, fr=0|1 (fusion rematerialize), chunk=0|1, budget=60GB; torch.compile modes: amb=0..1",
             "(activation_memory_budget). e.g. --modes fsdp2-inductor,fsdp2-thunder+mem@budget=60GB,inductor@amb=0.5",
         ]

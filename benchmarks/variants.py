@@ -126,7 +126,7 @@ def chosen_modes(modes: str, valid: tuple[str, ...]) -> list[str]:
             raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
         if variant.amb is not None and variant.base not in mode_table.INDUCTOR_MODES:
             raise UsageError(f"mode {m!r}: only torch.compile's modes take @amb")
-        if variant.loss in losses.EXTERNAL and variant.base in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+        if variant.loss in losses.OUTSIDE and variant.base in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
             raise UsageError(f"mode {m!r}: {variant.base} shards the head where an external loss cannot gather it")
         if variant.loss != "eager" and variant.base == "fsdp1-inductor":
             raise UsageError(f"mode {m!r}: fsdp1-inductor runs the eager loss only")

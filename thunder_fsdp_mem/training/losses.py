@@ -7,6 +7,8 @@
   ``LigerFusedLinearCrossEntropyLoss`` or Cut Cross-Entropy's ``linear_cross_entropy`` then runs eagerly on the
   hidden states and the head's weight. These are the baselines to beat, installed with ``pip install .[bench]``;
   ``available(loss)`` says whether one is importable. Cut Cross-Entropy takes no bias on the head.
+- ``chunked``: the same, with the package's own ``chunked_linear_cross_entropy`` (``loss.function``) after the
+  compiled hidden states, its chunk count its default.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import importlib.util
 
 import torch
 
-LOSSES = ("eager", "trace", "liger", "cce")
-EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+LOSSES = ("eager", "trace", "liger", "cce", "chunked")
+EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # the packages of the external losses
+OUTSIDE = ("liger", "cce", "chunked")  # a fused linear cross-entropy after the compiled hidden states
 
 
 def available(loss: str) -> bool:
@@ -31,8 +34,8 @@ class ExternalLoss(torch.nn.Module):
 
     def __init__(self, gpt: torch.nn.Module, kind: str, *, ignore_index: int = -100):
         super().__init__()
-        if kind not in EXTERNAL:
-            raise ValueError(f"external loss must be one of {', '.join(EXTERNAL)}, got {kind!r}")
+        if kind not in OUTSIDE:
+            raise ValueError(f"a loss after the hidden states must be one of {', '.join(OUTSIDE)}, got {kind!r}")
         if kind == "cce" and gpt.lm_head.bias is not None:
             raise ValueError("Cut Cross-Entropy takes no bias on the head")
         self.gpt = gpt
@@ -55,6 +58,12 @@ class ExternalLoss(torch.nn.Module):
         if self.kind == "liger":
             flat = hidden.reshape(-1, hidden.size(-1))
             return self._liger(head.weight, flat, targets.reshape(-1), head.bias)
+        if self.kind == "chunked":
+            from thunder_fsdp_mem.loss.function import chunked_linear_cross_entropy
+
+            return chunked_linear_cross_entropy(
+                hidden, head.weight, targets, head.bias, ignore_index=self.ignore_index, softcap=self.softcap
+            )
         from cut_cross_entropy import linear_cross_entropy
 
         return linear_cross_entropy(hidden, head.weight, targets, ignore_index=self.ignore_index, softcap=self.softcap)

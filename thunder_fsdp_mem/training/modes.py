@@ -136,11 +136,11 @@ def build(
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
     ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss;
-    ``liger``/``cce`` (single-device modes and FSDP2) compile the model up to its final norm and run that fused
+    ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run that fused
     loss after it."""
     if loss not in losses.LOSSES:
         raise ValueError(f"loss must be one of {', '.join(losses.LOSSES)}, got {loss!r}")
-    if loss in losses.EXTERNAL and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+    if loss in losses.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
         raise ValueError(f"mode {mode} shards the head's weight where an external loss cannot gather it")
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
@@ -206,7 +206,7 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def _with_loss(gpt: GPT, loss: str, compile_body: Callable[[torch.nn.Module], torch.nn.Module]):
     """(the module a step calls, the compiled part of it): the model itself (``eager``), the model and its loss
-    (``trace``), or an external loss after the compiled hidden states (``liger``, ``cce``)."""
+    (``trace``), or a fused loss after the compiled hidden states (``liger``, ``cce``, ``chunked``)."""
     if loss == "eager":
         compiled = compile_body(gpt)
         return compiled, compiled
