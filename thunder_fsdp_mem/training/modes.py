@@ -136,8 +136,8 @@ def build(
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
     ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss;
-    ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run that fused
-    loss after it."""
+    ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run
+    that fused loss after it."""
     if loss not in losses.LOSSES:
         raise ValueError(f"loss must be one of {', '.join(losses.LOSSES)}, got {loss!r}")
     if loss in losses.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
