@@ -21,6 +21,7 @@ def row(mode: str, *, status: str, **fields) -> dict:
         "estimated_peak_bytes": None,
         "status": status,
         "setup_s": None,
+        "first_step_s": None,
     }
     out.update(fields)
     return out
@@ -50,6 +51,7 @@ def merge(mode: str, ranks: list[dict]) -> dict:
         tokens_per_s=min(r["tokens_per_s"] for r in ranks),
         estimated_peak_bytes=worst("estimated_peak_bytes"),
         setup_s=worst("setup_s"),
+        first_step_s=worst("first_step_s"),
         **{
             k: ranks[0][k]
             for k in (
@@ -71,8 +73,8 @@ def table(rows: list[dict]) -> str:
     lines = [
         f"| mode | status | peak allocated | vs {baseline['mode'] if baseline else 'torch.compile'} | "
         "peak reserved | alloc retries | step | "
-        "tokens/s | estimated peak | estimate error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "tokens/s | first step | estimated peak | estimate error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         peak, est = r["peak_bytes"], r["estimated_peak_bytes"]
@@ -85,6 +87,7 @@ def table(rows: list[dict]) -> str:
             str(r["alloc_retries"]) if r["alloc_retries"] is not None else "-",
             f"{r['step_ms']:.0f} ms" if r["step_ms"] else "-",
             f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-",
+            f"{r['first_step_s']:.1f} s" if r.get("first_step_s") else "-",
             format_bytes(est) if est else "-",
             f"{100 * (est - peak) / peak:+.1f}%" if est and peak else "-",
         ]

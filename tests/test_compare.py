@@ -101,6 +101,7 @@ def test_modes_run_at_once_take_turns_and_measure_the_same(comparison, tmp_path)
         # whose timing varies); another mode's memory would be megabytes.
         assert abs(row["peak_bytes"] - alone[row["mode"]]["peak_bytes"]) <= 4096, row["mode"]
         assert row["setup_s"] > 0
+        assert 0 < row["first_step_s"] < row["setup_s"]  # compilation and the first step, within the set-up
 
 
 @pytest.mark.parametrize(

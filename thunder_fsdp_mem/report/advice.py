@@ -28,7 +28,8 @@ _PHASE_ADVICE = {
     Stage.LOSS: (
         "The peak is in the eager cross-entropy: its log_softmax, the nll_loss gradient and the logits' gradient "
         "hold {held}. Compute the loss in the compiled step (thunder_fsdp_mem.LossModel; --loss trace): the "
-        "transform chunks it with the head's matmul, so that one chunk of logits is alive at a time"
+        "transform chunks it with the head's matmul, so that one chunk of logits is alive at a time (or, with the "
+        "loss kept after the model, thunder_fsdp_mem.chunked_linear_cross_entropy on the final norm's output)"
     ),
     Stage.OPTIMIZER: (
         "The peak is in the optimizer's step ({symbol}): its temporaries hold {held}. AdamW(..., fused=True) "
