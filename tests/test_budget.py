@@ -5,8 +5,10 @@ that cannot be met warns, names the least peak reachable, and raises under ``str
 also runs in the caching allocator's replay under it."""
 
 import dataclasses
+import re
 import functools
 import warnings
+from pathlib import Path
 
 import pytest
 import thunder
@@ -68,8 +70,12 @@ def test_an_unreachable_budget_warns_with_the_least_peak_and_raises_under_strict
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss_b, grads_b, step, _ = _step(spec, MemoryConfig(memory_budget=1))
-    ours = [str(w.message) for w in caught if "FSDPMemoryTransform" in str(w.message)]
-    assert len(ours) == 1 and "could not meet the budget (peak 1 B)" in ours[0] and "least reachable" in ours[0]
+    ours = [w for w in caught if "FSDPMemoryTransform" in str(w.message)]
+    assert len(ours) == 1 and "could not meet the budget (peak 1 B)" in str(ours[0].message)
+    assert "least reachable" in str(ours[0].message)
+    # Said where the user's code called into Thunder, naming what is alive by what made it, not by trace names.
+    assert ours[0].filename.startswith(str(Path(__file__).parent)), ours[0].filename
+    assert not re.search(r"\bt\d+\b|\bl_self_", str(ours[0].message)), ours[0].message
     # Rewritten to the least peak it found: no higher than without a budget, and still bit for bit.
     assert step.peak_bytes <= _step(spec, MemoryConfig())[2].peak_bytes
     assert torch.equal(loss, loss_b) and all(torch.equal(a, b) for a, b in zip(grads, grads_b, strict=True))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import sys
 import time
 import warnings
 
@@ -94,6 +96,7 @@ class FSDPMemoryTransform(Transform):
         self._pending: tuple[TraceCtx, TraceCtx] | None = None  # (the trace we returned, the forward received)
         self._pairs = 0
         self.rewrites: list[Rewrite] = []
+        self._said: set[str] = set()  # the passes it has warned about
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         """Before autograd: attention kept on an attention executor where a fusion executor listed first would have
@@ -207,10 +210,15 @@ class FSDPMemoryTransform(Transform):
         self._warned(what, f"refused, its traces left as they were: {why}")
 
     def _warned(self, what: str, message: str) -> None:
+        """Raise under ``strict``; else warn once per pass (every block of a model, every ThunderFX graph and every
+        recompilation would say it again; ``summary()`` keeps each), at the user's line that compiled."""
         message = f"FSDPMemoryTransform: pass '{what}' {message}"
         if self.config.strict:
             raise RuntimeError(message)
-        warnings.warn(message, stacklevel=4)
+        if what in self._said:
+            return
+        self._said.add(what)
+        warnings.warn(message, stacklevel=_user_stacklevel())
 
     def __repr__(self) -> str:
         """An expression that makes this transform again with nothing but Python (ThunderFX's reproducer scripts
@@ -225,6 +233,21 @@ class FSDPMemoryTransform(Transform):
         return f"{package}.FSDPMemoryTransform({package}.MemoryConfig({changed}))"
 
 
+_LIBRARIES = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (sys.modules["thunder"], sys.modules["torch"], sys.modules[__package__])
+)
+
+
+def _user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called from ``_warned``, of the first frame outside Thunder, torch and this
+    package: the user's line that compiled or ran the model (the last frame where every one is inside)."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARIES + ("<",)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _routed(trace: TraceCtx, executors) -> tuple[TraceCtx, list[tuple[bool, str]]]:
     trace, found = route_attention(trace, executors)
     alike = collections.Counter(found)  # one note for the calls of every layer alike
@@ -237,7 +260,9 @@ def _chunked(trace: TraceCtx) -> tuple[TraceCtx, list[tuple[bool, str]]]:
     for f in found:
         rows, vocab = f.logits_shape
         softcap = f", soft-capped at {f.softcap:g}" if f.softcap is not None else ""
-        notes.append((True, f"{f.dtype} logits ({rows}, {vocab}), {f.chunks} chunks to start with{softcap}"))
+        notes.append(
+            (True, f"{f.dtype} logits ({rows}, {vocab}){softcap}, now in chunks (how many: the loss chunks pass)")
+        )
     notes.extend((False, why.describe()) for why in dict.fromkeys(left))  # once per reason, as layers repeat
     return trace, notes
 

@@ -297,7 +297,7 @@ def _wanted(config: MemoryConfig) -> str:
 
 def _unmet(config: MemoryConfig, e: StepMemory, short_of_the_cap: Callable[[StepMemory], int] | None) -> str:
     """The warning for budgets that cannot be met: the least peak reachable, ``e``, and what is alive there."""
-    alive = ", ".join(f"{a.name} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
+    alive = ", ".join(f"{a.label} ({format_bytes(a.nbytes)}, {a.category.value})" for a in e.live_at_peak[:3])
     warning = (
         f"could not meet the budget ({_wanted(config)}): the least reachable is a peak of "
         f"{format_bytes(e.peak_bytes)} ({e.peak_phase}, at {e.peak_symbol}) saving "

@@ -52,6 +52,7 @@ rounding are not modelled, as in ``estimate_step``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from litgpt import GPT
@@ -149,6 +150,12 @@ def fit_budget(
     with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``allocator.over_cap``). Returns
     the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform (whose
     ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
+    with warnings.catch_warnings():  # the blocks' unmet saved budgets: the plan says what it reached, once
+        warnings.filterwarnings("ignore", message="FSDPMemoryTransform: pass '.*' could not meet")
+        return _fit_budget(spec, config, world_size=world_size, shard=shard, rounds=rounds, **options)
+
+
+def _fit_budget(spec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int, **options):
     budget, cap = config.memory_budget, config.memory_cap
     config = dataclasses.replace(config, memory_budget=None, memory_cap=None)
     blocks = spec.config().n_layer
