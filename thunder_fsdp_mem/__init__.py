@@ -17,6 +17,10 @@ The names are imported when first asked for, so that importing a module of the p
 
 import importlib
 
+from thunder_fsdp_mem import versions
+
+versions.check()  # one line where torch, lightning-thunder or litgpt is outside the supported range
+
 _WHERE = {
     "Category": "thunder_fsdp_mem.analysis.categories",
     "Allocation": "thunder_fsdp_mem.analysis.liveness",
