@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.loss.model import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.analysis.allocator import over_cap
 from thunder_fsdp_mem.training import models
@@ -138,8 +139,6 @@ def _bytes(name: str, value) -> int:
 def _litgpt(model):
     """(the litgpt ``Config``, the ``GPT`` or None, where the loss is) of ``model``."""
     from litgpt import GPT, Config
-
-    from thunder_fsdp_mem.loss.model import LossModel
 
     if isinstance(model, Config):
         return model, None, "eager"

@@ -17,6 +17,8 @@ import importlib.util
 
 import torch
 
+from thunder_fsdp_mem.loss.function import chunked_linear_cross_entropy
+
 LOSSES = ("eager", "trace", "liger", "cce", "chunked")
 EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # the packages of the external losses
 OUTSIDE = ("liger", "cce", "chunked")  # a fused linear cross-entropy after the compiled hidden states
@@ -59,8 +61,6 @@ class ExternalLoss(torch.nn.Module):
             flat = hidden.reshape(-1, hidden.size(-1))
             return self._liger(head.weight, flat, targets.reshape(-1), head.bias)
         if self.kind == "chunked":
-            from thunder_fsdp_mem.loss.function import chunked_linear_cross_entropy
-
             return chunked_linear_cross_entropy(
                 hidden, head.weight, targets, head.bias, ignore_index=self.ignore_index, softcap=self.softcap
             )
