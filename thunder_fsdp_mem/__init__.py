@@ -9,7 +9,8 @@
 - ``chunked_linear_cross_entropy(hidden, weight, targets)``: the same chunked loss as a plain autograd function,
   for a loss computed after the compiled model.
 - ``plan_fsdp2(model, memory_budget=..., tokens=...) -> MemoryConfig``: the transform's configuration that fits a
-  per-rank budget under FSDP2 through ThunderFX.
+  per-rank budget under FSDP2 through ThunderFX; ``shard_fsdp2(gpt, shard, root=LossModel(gpt))``: FSDP2's
+  ``fully_shard`` on a litgpt model as the plan models it.
 
 The names are imported when first asked for, so that importing a module of the package (the CLI's, whose
 ``--help`` answers at once) does not import Thunder and torch.
@@ -37,6 +38,7 @@ _WHERE = {
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",
     "format_bytes": "thunder_fsdp_mem.units",
     "plan_fsdp2": "thunder_fsdp_mem.predict.plan",
+    "shard_fsdp2": "thunder_fsdp_mem.training.modes",
     "FSDPMemoryPlugin": "thunder_fsdp_mem.plugin",
 }
 

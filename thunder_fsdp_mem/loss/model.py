@@ -34,12 +34,13 @@ class LossModel(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
         self.ignore_index = ignore_index
+        # Decided here, not in forward, where Dynamo and Thunder would trace the check itself.
+        self.inline_head = type(gpt) is GPT and is_checked(GPT.forward)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        gpt = self.gpt
-        if type(gpt) is GPT and is_checked(GPT.forward):  # the head in the frame of the loss (see above)
-            return self.head_loss(hidden_states(gpt, idx), targets)
-        return self.loss(gpt(idx), targets)
+        if self.inline_head:  # the head in the frame of the loss (see above)
+            return self.head_loss(hidden_states(self.gpt, idx), targets)
+        return self.loss(self.gpt(idx), targets)
 
     def head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A litgpt ``GPT``'s head, soft-cap and loss, from the final norm's output ``x``: what one ThunderFX graph
