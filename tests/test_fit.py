@@ -109,3 +109,24 @@ def test_the_fit_command_gives_what_report_fit_gives(report_fit, tmp_path, capsy
     assert captured.out == text
     assert json.loads(out.read_text()) == fit
     assert "deprecated" not in captured.err
+
+
+def test_at_80_columns_the_fit_table_keeps_every_plan_figure_and_unit():
+    from thunder_fsdp_mem.predict.fit import Largest, Longest, StepFit
+    from thunder_fsdp_mem.report.fit import render_fit
+
+    def fit(tokens, micro_batch):
+        return StepFit(
+            80 * 10**9,
+            Largest(tokens, 71 * 2**30, 2 * tokens, 90 * 2**30),
+            Largest(micro_batch, 70 * 2**30, 2 * micro_batch, 88 * 2**30),
+        )
+
+    fits = [("without transform", fit(8192, 2)), ("with transform", fit(16384, 4))]
+    text = render_fit(
+        fits, title="stablecode-3b", block_size=8192, micro_batch_size=1, longest=Longest(16384, "x"), width=80
+    )
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert text.count("without transform:") == text.count("with transform:") == 2  # each plan's two rows, named
+    for cell in ("8192 tokens (71.00 GiB)", "16384 tokens (90.00 GiB)", "32768 tokens (90.00 GiB)", "2 sequences"):
+        assert cell in text, cell

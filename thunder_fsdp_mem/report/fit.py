@@ -32,21 +32,20 @@ def render_fit(
     )
     console.print()
 
-    out = table(
-        "plan",
-        f"sequence length, micro-batch {micro_batch_size}",
-        "next, over",
-        f"micro-batch at {block_size} tokens",
-        "next, over",
-    )
+    # Three columns, so that an 80-column terminal shows every one: the plan and what was searched name the row
+    # (folding where short), the figures are never cut.
+    out = table("plan: the largest", "that fits (peak)", "the next (peak)")
     for label, fit in fits:
         t, m = fit.tokens, fit.micro_batch
         out.add_row(
-            label,
+            f"{label}: sequence length at micro-batch {micro_batch_size}",
             _cell(t.value, t.peak_bytes, " tokens") if t.value else "none fits",
-            _cell(t.above, t.above_peak_bytes, ""),
-            _cell(m.value, m.peak_bytes, "") if m.value else "none fits",
-            _cell(m.above, m.above_peak_bytes, ""),
+            _cell(t.above, t.above_peak_bytes, " tokens"),
+        )
+        out.add_row(
+            f"{label}: micro-batch at {block_size} tokens",
+            _cell(m.value, m.peak_bytes, " sequences") if m.value else "none fits",
+            _cell(m.above, m.above_peak_bytes, " sequences"),
         )
     console.print(out)
     console.print(

@@ -10,7 +10,7 @@ from thunder_fsdp_mem.report.model import TopAllocation
 from thunder_fsdp_mem.units import format_bytes
 
 # The top allocations' columns, and the order in which a narrow terminal leaves them out: a column is shown whole
-# or not at all, so no figure, shape or source line is ever cut; a name too long is shortened from the left.
+# or not at all, so no figure, shape or source line is ever cut; a name too long is shortened in the middle.
 _TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
 _LEFT_OUT_FIRST = ("trace name", "source", "symbol", "category", "dtype", "shape")
 _NAME_WIDTH = 32  # the least width of the name column: other columns are left out before it is narrower
@@ -30,10 +30,21 @@ def table(first: str, *others: str):
     return out
 
 
-def left_shortened(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters: its end kept, its start replaced by one ``…``
-    (``…h.11.mlp.fc``), so that the part of a module path that tells layers apart stays."""
-    return text if len(text) <= width else "…" + text[len(text) - width + 1 :]
+def middle_shortened(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters: its first third and its end kept, the middle replaced by one ``…``
+    (``gradient of…h.11.mlp.fc.weight``), so that what a name starts with (a gradient, the logits) and the part of
+    a module path that tells layers apart both stay."""
+    if len(text) <= width:
+        return text
+    head = width // 3
+    return text[:head] + "…" + text[len(text) - (width - head - 1) :]
+
+
+def shortened_names(names: list[str], width: int) -> list[str] | None:
+    """Each name ``middle_shortened`` to ``width``, or None where that would make two different names alike (the
+    caller then shows them whole)."""
+    short = [middle_shortened(n, width) for n in names]
+    return short if len(set(short)) == len(set(names)) else None
 
 
 def top_table(top: tuple[TopAllocation, ...], width: int):
@@ -69,9 +80,12 @@ def top_table(top: tuple[TopAllocation, ...], width: int):
         header = column.header
         column.no_wrap, column.min_width = True, name_width if header == "name" else need[header]
         column.justify = "right" if header in ("count", "size each", "total") else "left"
-    for row in rows:
+    names = shortened_names([row[0] for row in rows], name_width)
+    if names is None:  # whole names, folded onto more lines, rather than rows a reader cannot tell apart
+        out.columns[0].no_wrap, out.columns[0].overflow = False, "fold"
+    for i, row in enumerate(rows):
         cells = [row[_TOP_HEADERS.index(h)] for h in shown]
-        cells[0] = left_shortened(cells[0], name_width)
+        cells[0] = names[i] if names is not None else cells[0]
         out.add_row(*cells)
     return out
 
