@@ -5,7 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: report test test-slow lint clean
+.PHONY: report test test-slow smoke-stable lint clean
+STABLE := .venv-stable
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,9 +23,19 @@ test: $(STAMP)  # two workers, each test file on one (its fixtures shared); the 
 test-slow: $(STAMP)  # the cases that run 2-rank torchrun processes (FSDP, the benchmark); CI runs them too
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m slow
 
+# The smoke subset against the second combination (constraints-stable.txt): an environment that has its torch and
+# Thunder first, then the package installed into it as a user would (pip install .), which must keep them.
+smoke-stable:
+	test -x $(STABLE)/bin/python || $(PYTHON) -m venv $(STABLE)
+	$(STABLE)/bin/python -m pip install -q --upgrade pip
+	$(STABLE)/bin/python -m pip install -q -r constraints-stable.txt
+	$(STABLE)/bin/python -m pip install -q '.[test]'
+	$(STABLE)/bin/python -m pip check
+	PINS=constraints-stable.txt $(STABLE)/bin/python -m pytest -q -n 2 --dist loadfile -m smoke -p no:cacheprovider
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(STABLE) build *.egg-info

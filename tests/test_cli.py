@@ -87,6 +87,7 @@ def test_a_write_refused_at_the_end_is_one_line(capsys):
     assert "cannot write --plot /proc/thunder-fsdp-mem-test.png" in err and "Traceback" not in err
 
 
+@pytest.mark.smoke
 def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["report", *SMALL, "--json", str(out)]) == 0
@@ -127,6 +128,7 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
     assert abs(report["peak_bytes"] - measured) <= 0.03 * measured, (report["peak_bytes"], measured)
 
 
+@pytest.mark.smoke
 def test_a_loss_in_the_trace_is_chunked_and_predicted_as_a_cpu_run_measures_it(tmp_path, capsys):
     # pythia-14m's 50304-token vocabulary at 512 tokens: the eager loss holds the peak; in the trace the transform
     # chunks it. The prediction (meta device) against the same step run on CPU, measured by MemTracker.

@@ -37,11 +37,13 @@ def test_the_readmes_snippets_are_the_examples_excerpts():
     assert sorted(blocks) == sorted(excerpts.values()), "a README snippet is not an example's excerpt"
 
 
+@pytest.mark.smoke
 def test_the_jit_example_runs_and_says_what_the_transform_did():
     out = _run(sys.executable, "examples/jit.py").stdout
     assert "FSDPMemoryTransform: 1 forward/backward pair(s)" in out and "chunked loss" in out
 
 
+@pytest.mark.smoke
 def test_the_litgpt_loop_runs_as_it_is_and_through_the_runner_which_chunks_its_loss():
     plain = _run(sys.executable, "examples/litgpt_loop.py").stdout
     ran = _run(sys.executable, "-m", "thunder_fsdp_mem.run", "--", "examples/litgpt_loop.py")
@@ -50,6 +52,7 @@ def test_the_litgpt_loop_runs_as_it_is_and_through_the_runner_which_chunks_its_l
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 @pytest.mark.parametrize("script", ["fsdp2.py", "thunder_fsdp.py"])
 def test_the_distributed_examples_run_on_two_gloo_ranks(script):
     out = _run(*torchrun_command(2, str(EXAMPLES / script)), timeout=900).stdout

@@ -11,6 +11,7 @@ from support import memtracker_peak
 from thunder_fsdp_mem import chunked_linear_cross_entropy
 from thunder_fsdp_mem.loss.function import default_chunks
 
+pytestmark = pytest.mark.smoke
 V, H = 700, 48
 
 

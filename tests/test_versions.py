@@ -3,16 +3,25 @@
 Thunder outside is named with its version and the range, in one line at import."""
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 import tomllib
+
+import pytest
 
 from support import ROOT
 from thunder_fsdp_mem import versions
 
 
-def test_the_pinned_environment_is_inside_every_range():
+@pytest.mark.smoke
+def test_the_pinned_environment_is_inside_every_range_and_has_its_pins():
+    # PINS: the constraints file this environment was made from (make smoke-stable: constraints-stable.txt, where
+    # torch and Thunder were installed before the package, which must have kept them).
     assert versions.outside() == []
+    pins = (ROOT / os.environ.get("PINS", "constraints.txt")).read_text().splitlines()
+    for name, version in (line.split("==") for line in pins if "==" in line and not line.startswith("#")):
+        assert importlib.metadata.version(name).split("+")[0] == version, name
 
 
 def test_the_ranges_checked_are_pyprojects():
@@ -26,13 +35,10 @@ def test_the_ranges_checked_are_pyprojects():
 
 def test_a_version_outside_is_named_with_the_range(monkeypatch):
     real = importlib.metadata.version
-    fake = {"torch": "2.13.0", "lightning-thunder": "0.2.6"}
+    fake = {"torch": "2.13.0", "lightning-thunder": "0.2.5"}
     monkeypatch.setattr(importlib.metadata, "version", lambda name: fake.get(name) or real(name))
     found = versions.outside()
-    assert found == [
-        "torch 2.13.0 (supported: <2.12,>=2.11)",
-        "lightning-thunder 0.2.6 (supported: <0.2.8,>=0.2.7.dev20260201)",
-    ]
+    assert found == ["torch 2.13.0 (supported: <2.12,>=2.10)", "lightning-thunder 0.2.5 (supported: <0.2.8,>=0.2.6)"]
 
 
 def test_importing_outside_the_range_says_so_in_one_line():
@@ -44,4 +50,4 @@ def test_importing_outside_the_range_says_so_in_one_line():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "thunder_fsdp_mem" in line and "torch 2.13.0" in line]
-    assert len(lines) == 1 and "not made for this environment: torch 2.13.0 (supported: <2.12,>=2.11)" in lines[0]
+    assert len(lines) == 1 and "not made for this environment: torch 2.13.0 (supported: <2.12,>=2.10)" in lines[0]
