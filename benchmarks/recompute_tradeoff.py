@@ -17,6 +17,7 @@ import thunder
 import thunder.executors.sdpaex as sdpaex
 
 from thunder_fsdp_mem.passes import casts, recompute, reorder
+from thunder_fsdp_mem.thunder_internals import sdpa_choice
 from thunder_fsdp_mem.training import models
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT
 from thunder_fsdp_mem.analysis.step import estimate_traces
@@ -53,10 +54,10 @@ def main() -> int:
         help="leave the casts as Thunder makes them (the transform folds them first, as on CUDA)",
     )
     args = p.parse_args()
-    sdpaex._fused_sdp_choice = lambda *a, **k: sdpaex.SpdaBackend.FLASH_ATTENTION
-    pairs = [
-        traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold) for n in (1, 2)
-    ]
+    with sdpa_choice(lambda *a, **k: sdpaex.SpdaBackend.FLASH_ATTENTION):
+        pairs = [
+            traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold) for n in (1, 2)
+        ]
     one, two = (figures(*pair, WEIGHTS) for pair in pairs)
     folded = "casts folded as on CUDA" if args.fold else "casts as Thunder makes them"
     print(f"{args.model}, {args.block_size} tokens, bf16, {folded}, per layer (2 layers less 1 layer)")

@@ -72,9 +72,12 @@ def test_no_deferred_imports_of_the_package_outside_the_cli():
     assert deferred == {}
 
 
+GROUND = {"thunder_fsdp_mem.thunder_internals"}  # the door to Thunder's internals, under every floor
+
+
 def test_the_floors_point_down():
-    # analysis knows nothing of the rest; passes know analysis; predict may know everything but the CLI and the
-    # report, which sit on top.
+    # analysis knows nothing of the rest but the door to Thunder's internals; passes know analysis; predict may know
+    # everything but the CLI and the report, which sit on top.
     _, graph = _graph()
 
     def reaches(module: str) -> set[str]:
@@ -82,7 +85,7 @@ def test_the_floors_point_down():
 
     for name in graph:
         if name.startswith("thunder_fsdp_mem.analysis."):
-            assert all(t.startswith("thunder_fsdp_mem.analysis") for t in reaches(name)), name
+            assert all(t.startswith("thunder_fsdp_mem.analysis") or t in GROUND for t in reaches(name)), name
         if name.startswith("thunder_fsdp_mem.passes."):
             assert not any(
                 t.startswith(

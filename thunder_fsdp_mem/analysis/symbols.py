@@ -20,9 +20,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import thunder.torch as ltorch
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
+
+from thunder_fsdp_mem.thunder_internals import view_symbol_names
 
 TensorLike = TensorProxy | FutureTensorProxy
 Shape = tuple[int, ...]
@@ -40,7 +41,7 @@ CLEAR = "clear_mutable_collection"
 # Outputs share the storage of the first tensor argument: Thunder's own set of symbols that return views, and
 # the executor ops with the same semantics that it does not list (the torch executor's slice, the wait of a
 # collective, which returns the tensor its future holds, Thunder's alias bookkeeping, broadcast_to, mT).
-VIEW_OPS = frozenset({s.name for s in ltorch._syms_returning_views}) | frozenset(
+VIEW_OPS = view_symbol_names() | frozenset(
     {"torch_slice_prim_impl", "alias", "update_aliases", WAIT, "broadcast_to", "mT"}
 )
 # Outputs are views when torch can view the input, copies otherwise.

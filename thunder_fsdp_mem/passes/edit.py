@@ -19,9 +19,10 @@ from thunder.core.prims import PrimIDs, python_del
 from thunder.core.proxies import CollectionProxy, Proxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, TraceProvenance, from_trace
-from thunder.executors.passes import _update_fusion_call_ctx, clear_mutable_collection, comment_symbols
+from thunder.executors.passes import clear_mutable_collection, comment_symbols
 
 from thunder_fsdp_mem.analysis.symbols import without_dels
+from thunder_fsdp_mem.thunder_internals import update_fusion
 
 PROVENANCE = "FSDPMemoryTransform"
 
@@ -93,4 +94,4 @@ def fusion_for(fusion, outputs: Sequence[Proxy]):
     read = {p.name for b in needed for p in b.flat_proxy_args}
     args = tuple(a for a in fusion.args if isinstance(a, Proxy) and a.name in read)
     pruned = dataclasses.replace(fusion, args=args, output=tuple(outputs), subsymbols=tuple(needed))
-    return _update_fusion_call_ctx(pruned)
+    return update_fusion(pruned)

@@ -17,8 +17,8 @@ This pass takes the pairs again on the split traces, forward fusion to backward 
 readers counted by the original symbols, and applies Thunder's own cut and rewrite (``find_cut``,
 ``apply_rematerialization_for_producer`` and ``..._for_consumer``) where the consumer does not read the cut
 already (where it does, Thunder took the pair). The producer and consumer fusions get new callables from their
-executor (``_update_fusion_call_ctx``), the forward saves the new cut, the backward unpacks it. The moved symbols
-are Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
+executor (``thunder_internals.update_fusion``), the forward saves the new cut, the backward unpacks it. The moved
+symbols are Thunder's: elementwise ops, casts and reshapes, computed in the backward fusion from the same values.
 
 The results are then those of Thunder's rematerialization, bit for bit those of a Thunder whose rematerialization
 takes the same pair (``tests/test_upstream.py``, CPU), and not those of the run without it: a value computed in
@@ -41,7 +41,6 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, from_trace
-from thunder.executors.passes import _update_fusion_call_ctx
 
 from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
 from thunder_fsdp_mem.config import MemoryConfig
@@ -49,6 +48,7 @@ from thunder_fsdp_mem.passes import recompute
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
+from thunder_fsdp_mem.thunder_internals import update_fusion
 
 
 class FusionError(PassError):
@@ -115,7 +115,7 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tr
             current[c_id] = c_new
             kept += tuple(cut)
     originals = {id(b): b for b in (*producers, *consumers)}
-    updated = {k: _update_fusion_call_ctx(b) for k, b in current.items() if b is not originals[k]}
+    updated = {k: update_fusion(b) for k, b in current.items() if b is not originals[k]}
     if not updated:
         return forward, backward, 0
     new_fw = [updated.get(id(b), b) for b in fw]

@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
-from thunder.executors.passes import _update_fusion_call_ctx
 
 from thunder_fsdp_mem.analysis.cost import MATMULS
+from thunder_fsdp_mem.thunder_internals import update_fusion
 from thunder_fsdp_mem.analysis.effects import storage_roots
 from thunder_fsdp_mem.analysis.symbols import (
     RESHAPE_OPS,
@@ -155,7 +155,7 @@ def closed(
     for r, outs in extra.items():
         if outs:
             region = forward[r]
-            forward[r] = _update_fusion_call_ctx(dataclasses.replace(region, output=(*region.flat_proxy_outs, *outs)))
+            forward[r] = update_fusion(dataclasses.replace(region, output=(*region.flat_proxy_outs, *outs)))
 
     items: list[tuple[int | None, list]] = []  # (region or None, ops), each at its first op
     group_of: dict[int, list] = {}
@@ -184,5 +184,5 @@ def closed(
                     args.append(a)
         outs = tuple(o for b in ops for o in b.flat_proxy_outs if isinstance(o, TensorProxy) and o.name in outside)
         region = dataclasses.replace(forward_symbols[r], args=tuple(args), output=outs, subsymbols=tuple(ops))
-        recomputed.append(_update_fusion_call_ctx(region))
+        recomputed.append(update_fusion(region))
     return forward, recomputed

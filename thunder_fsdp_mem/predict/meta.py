@@ -29,6 +29,7 @@ import torch
 
 from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis.step import DEVICE_TYPES
+from thunder_fsdp_mem.thunder_internals import implementations, sdpa_choice, set_implementations
 from thunder_fsdp_mem.training import cudnn_attention
 
 
@@ -78,7 +79,7 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
             grad_transform=info.grad_transform,
         )
 
-    original_maps = [ex._implmap for ex in compiling]
+    original_maps = [implementations(ex) for ex in compiling]
     original_make = tc.make_compiled
 
     def make_eager(*args, **kwargs):
@@ -90,25 +91,24 @@ def executors_as_on(device_type: str, executors: list) -> Iterator[None]:
             torch.compile = compile_
 
     for ex in compiling:
-        ex._implmap = {op: claimed_as_on(info) for op, info in ex._implmap.items()}
+        set_implementations(ex, {op: claimed_as_on(info) for op, info in implementations(ex).items()})
     tc.make_compiled = make_eager
     try:
         yield
     finally:
         tc.make_compiled = original_make
         for ex, implmap in zip(compiling, original_maps):
-            ex._implmap = implmap
+            set_implementations(ex, implmap)
 
 
 @contextmanager
 def attention_as_on(device_type: str) -> Iterator[None]:
     """Thunder's sdpa executor and ``cudnn_attention`` choose their kernels as they would on ``device_type`` (see the
     module's docstring)."""
-    import thunder.executors.sdpaex as sdpaex
+    from thunder.executors.sdpaex import SpdaBackend as Backend
 
     if device_type not in DEVICE_TYPES:
         raise ValueError(f"device_type must be one of {', '.join(DEVICE_TYPES)}; got {device_type!r}")
-    Backend = sdpaex.SpdaBackend
 
     def choice(query, *args, **kwargs):
         if device_type == "cpu":
@@ -118,12 +118,13 @@ def attention_as_on(device_type: str) -> Iterator[None]:
     def cudnn_choice(query, key, value, attn_mask, dropout_p, is_causal, scale):
         return device_type == "cuda" and cudnn_attention.rule(query, key, value, attn_mask, dropout_p)
 
-    original, original_cudnn = sdpaex._fused_sdp_choice, cudnn_attention.choose
-    sdpaex._fused_sdp_choice, cudnn_attention.choose = choice, cudnn_choice
+    original_cudnn = cudnn_attention.choose
+    cudnn_attention.choose = cudnn_choice
     try:
-        yield
+        with sdpa_choice(choice):
+            yield
     finally:
-        sdpaex._fused_sdp_choice, cudnn_attention.choose = original, original_cudnn
+        cudnn_attention.choose = original_cudnn
 
 
 @contextmanager

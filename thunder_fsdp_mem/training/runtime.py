@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from thunder_fsdp_mem.thunder_internals import implementations, renamed_fusion, set_implementations
 from thunder_fsdp_mem.training.cudnn_attention import cudnn_attention_ex
 
 EXECUTOR_CHOICES = ("default", "default+cat", "default+inductor", "fused")
@@ -118,9 +119,14 @@ def _compile_executor():
         from thunder.executors.torch_compile import TorchCompileExecutor, torch_compile_ex
 
         _COMPILE_EX = TorchCompileExecutor(name="torchcompile_fused")
-        _COMPILE_EX._implmap = {
-            op: info for op, info in torch_compile_ex._implmap.items() if not isinstance(op, DistributedPrimIDs)
-        }
+        set_implementations(
+            _COMPILE_EX,
+            {
+                op: info
+                for op, info in implementations(torch_compile_ex).items()
+                if not isinstance(op, DistributedPrimIDs)
+            },
+        )
     return _COMPILE_EX
 
 
@@ -136,13 +142,11 @@ def _cat_executor():
         class _CatExecutor(TorchCompileExecutor):
             def fuse(self, region, fusion_counter):
                 bsym = super().fuse(region, fusion_counter)
-                old = bsym.sym.name
-                new = old.replace("TorchCompile", "TorchCompileCat", 1)
-                sym = Symbol(new, meta=None, is_fusion=True, executor=self)
-                return bsym.from_bsym(sym=sym, _call_ctx={new: bsym._call_ctx[old]})
+                new = bsym.sym.name.replace("TorchCompile", "TorchCompileCat", 1)
+                return renamed_fusion(bsym, Symbol(new, meta=None, is_fusion=True, executor=self))
 
         _CAT_EX = _CatExecutor(name="torchcompile_cat_named", required_ops=torch_compile_cat_ex.required_ops)
-        _CAT_EX._implmap = dict(torch_compile_cat_ex._implmap)
+        set_implementations(_CAT_EX, dict(implementations(torch_compile_cat_ex)))
     return _CAT_EX
 
 
