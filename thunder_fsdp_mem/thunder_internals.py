@@ -15,6 +15,8 @@ Private names, each behind one function:
   generated code calls; a renamed fusion needs its callable under the new name.
 - ``view_symbol_names()``: ``thunder.torch._syms_returning_views``, the torch symbols whose outputs alias their
   first input.
+- ``original_module(fn)``: ``ThunderModule._model``, the module ``thunder.jit`` was given (its submodules name
+  the allocations of the traces).
 - ``sdpa_choice(choice)``: ``thunder.executors.sdpaex._fused_sdp_choice``, which kernel Thunder's sdpa executor
   picks for given inputs, replaced within the context (the prediction on the meta device chooses as CUDA would).
 
@@ -34,6 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import thunder.torch as ltorch
+from thunder.core.module import ThunderModule
 from thunder.executors.passes import _update_fusion_call_ctx
 
 # What passes through the door: tests/test_thunder_internals.py checks this list against the module's functions
@@ -44,6 +47,7 @@ PRIVATE_NAMES = (
     "_call_ctx",
     "_syms_returning_views",
     "_fused_sdp_choice",
+    "_model",
 )
 
 
@@ -69,6 +73,11 @@ def call_context(bsym) -> dict:
 def renamed_fusion(bsym, sym):
     """The fusion ``bsym`` as the symbol ``sym`` (another name), its callable under the new name."""
     return bsym.from_bsym(sym=sym, _call_ctx={sym.name: bsym._call_ctx[bsym.sym.name]})
+
+
+def original_module(fn):
+    """The module a ``ThunderModule`` compiles (``fn`` itself where it is not one)."""
+    return fn._model if isinstance(fn, ThunderModule) else fn
 
 
 def view_symbol_names() -> frozenset[str]:

@@ -44,6 +44,7 @@ import thunder
 from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation, storage_key
+from thunder_fsdp_mem.thunder_internals import original_module
 from thunder_fsdp_mem.analysis.liveness import analyze
 from thunder_fsdp_mem.analysis.loss import check_loss, loss_allocations
 from thunder_fsdp_mem.analysis.optimizer import (
@@ -112,7 +113,7 @@ def estimate_step(
         device_type=device_type,
         parameter_names={"t_" + q.replace(".", "_"): q for q in qualnames.values()},
         optimizer_step=optimizer_step_allocation(optimizer, device_type),
-        scopes=scopes_of(getattr(fn, "_model", fn)) if isinstance(fn, torch.nn.Module) else None,
+        scopes=scopes_of(original_module(fn)) if isinstance(fn, torch.nn.Module) else None,
     )
 
 
