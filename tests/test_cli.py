@@ -421,3 +421,12 @@ def test_the_help_examples_are_valid_command_lines():
     for line in lines:
         args = build_parser().parse_args(shlex.split(line)[1:])
         validate(args)
+
+
+def test_a_block_size_beyond_the_models_is_predicted_and_said_in_one_line(capsys):
+    # report and fit take the same limits (fit searches up to --block-size too): beyond the model's configured
+    # block size is not refused, and a note says so.
+    argv = ["report", "--model", "pythia-14m", "--n-layers", "1", "--block-size", "1024", "--mode", "jit"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note: --block-size 1024 is beyond pythia-14m's configured block size (512 tokens)" in err

@@ -155,10 +155,19 @@ def _check_model(args) -> None:
         close = difflib.get_close_matches(args.model, list(name_to_config), n=3, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else "; see litgpt's list of configurations"
         raise UsageError(f"unknown litgpt model {args.model!r}{hint}")
+    configured = name_to_config[args.model].get("block_size")
+    if configured and args.block_size > configured:  # allowed, as fit searches up to it: said, not refused
+        from thunder_fsdp_mem.cli.console import say
+
+        say(
+            f"note: --block-size {args.block_size} is beyond {args.model}'s configured block size ({configured} "
+            f"tokens): the step is predicted at {args.block_size} tokens, its rotary tables extended"
+        )
     if args.mode == "fsdp2":
         from thunder_fsdp_mem.predict import fsdp2
         from thunder_fsdp_mem.training import models
 
-        refused = fsdp2.unsupported(models.ModelSpec(name=args.model, block_size=args.block_size).config())
+        config = models.ModelSpec(name=args.model, block_size=args.block_size).config()
+        refused = fsdp2.unsupported(config, getattr(args, "loss", "eager"))
         if refused:
             raise UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode thunder-fsdp")
