@@ -71,16 +71,11 @@ def units(gpt, world_size: int, *, loss_in_step: bool = False) -> list[Unit]:
     (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
     hooks would otherwise break Dynamo's graph between the head and the loss), last."""
     t = gpt.transformer
-    head = (
-        _unit("root", "lm_head", gpt.lm_head, world_size)
-        if loss_in_step
-        else _unit("lm_head", "lm_head", gpt.lm_head, world_size)
-    )
     return [
         _unit("wte", "transformer.wte", t.wte, world_size),
         *[_unit(f"block {i}", f"transformer.h.{i}", b, world_size) for i, b in enumerate(t.h)],
         _unit("ln_f", "transformer.ln_f", t.ln_f, world_size),
-        head,
+        _unit("root" if loss_in_step else "lm_head", "lm_head", gpt.lm_head, world_size),
     ]
 
 
