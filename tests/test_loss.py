@@ -69,6 +69,20 @@ def _step(model, idx, targets):
     return loss.detach(), grads
 
 
+def _eager_then_chunked(loss_of, h, w, t):
+    """``loss_of(h, w, t)`` eagerly (its loss and the gradients of ``h`` and ``w``: the reference), then jitted with
+    the rewrite alone in 3 chunks and run forward and backward (``h.grad`` and ``w.grad`` then hold its gradients);
+    returns (reference, the jitted loss, the transform, the jitted function)."""
+    eager = loss_of(h, w, t)
+    eager.backward()
+    reference = (eager.detach(), {"h": h.grad, "w": w.grad})
+    h.grad = w.grad = None
+    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
+    loss = jitted(h, w, t)
+    loss.backward()
+    return reference, loss, transform, jitted
+
+
 def _assert_close(reference, candidate, dtype):
     (loss, grads), (loss_c, grads_c) = reference, candidate
     assert abs(loss.float().item() - loss_c.float().item()) <= max(1e-6, TOLERANCE[dtype] / 4) * abs(loss.item())
@@ -228,13 +242,8 @@ def test_the_losses_users_write_are_chunked_and_match_eager(form):
     def loss_of(h, w, t):
         return USER_FORMS[form](F.linear(h, w), t)
 
-    eager = loss_of(h, w, t)
-    eager.backward()
-    reference = (eager.detach(), {"h": h.grad, "w": w.grad})
-    h.grad = w.grad = None
-    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
-    chunked = jitted(h, w, t)
-    chunked.backward()
+    reference, chunked, transform, _ = _eager_then_chunked(loss_of, h, w, t)
+    eager = reference[0]
     assert len(transform.found) == 1 and transform.found[0].chunks == 3
     # The loss is a bf16 scalar: within one bf16 step (2^-7 relative) of eager's; the gradients as elsewhere.
     assert abs(chunked.float().item() - eager.float().item()) <= 2**-7 * abs(eager.float().item())
@@ -368,13 +377,7 @@ def test_litgpts_chunked_cross_entropy_is_chunked_and_matches_eager(chunk_size):
     def loss_of(h, w, t):
         return chunked_cross_entropy(F.linear(h, w), t, chunk_size=chunk_size)
 
-    expected = loss_of(h, w, t)
-    expected.backward()
-    reference = (expected.detach(), {"h": h.grad, "w": w.grad})
-    h.grad = w.grad = None
-    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
-    loss = jitted(h, w, t)
-    loss.backward()
+    reference, loss, transform, jitted = _eager_then_chunked(loss_of, h, w, t)
     assert len(transform.found) == 1 and transform.left == ()
     _assert_close(reference, (loss.detach(), {"h": h.grad, "w": w.grad}), torch.float32)
     forward = thunder.last_traces(jitted)[-1]
