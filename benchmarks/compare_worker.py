@@ -84,7 +84,7 @@ def _setup(args, rank, result: dict):
         memory = dataclasses.replace(memory, memory_cap=int(args.memory_cap_gb * 1e9))
         result["memory_cap"] = memory.memory_cap
     if variant.base == "fsdp2-thunder+mem" and memory.memory_budget is not None:
-        memory = _fsdp2_block_budget(args, spec, rank, executors, memory)
+        memory = _fsdp2_block_budget(args, spec, rank, executors, memory, variant.loss)
         result["saved_budget"] = memory.saved_budget
     probe = _injected_oom(rank.rank) if args.inject_oom == rank.rank else None
     trainer = mode_table.build(
@@ -129,9 +129,11 @@ def _injected_oom(rank: int):
     return transform
 
 
-def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) -> MemoryConfig:
+def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig, loss: str) -> MemoryConfig:
     """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as a user gets it from
-    Python (``plan_fsdp2``, the prediction on the meta device); every rank finds the same."""
+    Python (``plan_fsdp2``, the prediction on the meta device); every rank finds the same. ``loss``: the mode's
+    (``losses.LOSSES``); a fused loss after the hidden states is planned as the eager one, whose logits it never
+    holds (a plan that saves less than it could)."""
     from thunder_fsdp_mem import plan_fsdp2
     from thunder_fsdp_mem.training import models
 
@@ -147,6 +149,7 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) 
         executors=executors,
         device_type=args.device,
         config=memory,
+        loss="trace" if loss == "trace" else "eager",
     )
 
 
