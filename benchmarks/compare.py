@@ -19,7 +19,10 @@ logits after the compiled model; ``trace``: the model and its loss compiled toge
 ``thunder_fsdp_mem.LossModel``, which a +mem mode chunks; ``liger``, ``cce``: Liger-Kernel's or Cut Cross-Entropy's
 fused linear cross-entropy after the model compiled up to its final norm, from ``pip install .[bench]``, a mode
 skipped with a line where the package is absent; ``chunked``: the package's own ``chunked_linear_cross_entropy``
-there; these three not under Thunder's fsdp or FSDP1).
+there; these three not under Thunder's fsdp or FSDP1; ``view``, ``litgpt``: the loss as users write it in their own
+module, compiled with the model, ``F.cross_entropy`` on viewed logits or litgpt's ``chunked_cross_entropy``).
+``--vectorize-window-masks`` gives every mode's sliding-window attention the mask fix of
+``thunder_fsdp_mem.vectorize_window_masks`` (the same mask, without litgpt's per-row loop).
 
 Per mode and rank: the litgpt model in bf16 with AdamW; a training step is forward, cross-entropy on the logits
 (eager, as Thunder's ``benchmark_litgpt.py``), backward, optimizer step, ``zero_grad``. After ``--warmup`` steps
@@ -138,6 +141,12 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="modes run at once; they take turns on the devices, only thunder.jit compiles meanwhile",
+    )
+    p.add_argument(
+        "--vectorize-window-masks",
+        action="store_true",
+        help="every mode's sliding-window attention builds its mask by one comparison, not litgpt's loop "
+        "(vectorize_window_masks: the same mask bit for bit)",
     )
     p.add_argument("--json", metavar="PATH", help="write the config and rows as JSON (after each mode)")
     p.add_argument("--plot", metavar="PATH", help="write a bar chart of peak memory per mode (PNG or SVG)")

@@ -114,6 +114,8 @@ def _forwarded(args) -> list[str]:
     ]
     if args.inject_oom is not None:
         out += ["--inject-oom", str(args.inject_oom)]
+    if args.vectorize_window_masks:
+        out.append("--vectorize-window-masks")
     if args.n_layers is not None:
         out += ["--n-layers", str(args.n_layers)]
     if args.memory_cap_gb is not None:

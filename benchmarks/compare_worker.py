@@ -20,6 +20,7 @@ from datetime import timedelta
 from benchmarks.compare_table import row
 from benchmarks.variants import split_variant
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.training import losses
 from thunder_fsdp_mem.training import modes as mode_table
 from thunder_fsdp_mem.training import runtime
 
@@ -76,7 +77,12 @@ def _setup(args, rank, result: dict):
     compiled traces (so that an OOM row still says what it needed)."""
     from thunder_fsdp_mem.training import models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = models.ModelSpec(
+        name=args.model,
+        n_layers=args.n_layers,
+        block_size=args.block_size,
+        vectorized_window_masks=args.vectorize_window_masks,
+    )
     variant = split_variant(args.worker)
     executors = variant.executors or args.executors
     memory = MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory})
@@ -132,7 +138,8 @@ def _injected_oom(rank: int):
 def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig, loss: str) -> MemoryConfig:
     """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as a user gets it from
     Python (``plan_fsdp2``, the prediction on the meta device); every rank finds the same. ``loss``: the mode's
-    (``losses.LOSSES``); a fused loss after the hidden states is planned as the eager one, whose logits it never
+    (``losses.LOSSES``): the forms compiled with the model are planned as ``LossModel`` (the transform chunks them
+    alike); a fused loss after the hidden states is planned as the eager one, whose logits it never
     holds (a plan that saves less than it could)."""
     from thunder_fsdp_mem import plan_fsdp2
     from thunder_fsdp_mem.training import models
@@ -149,7 +156,7 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig, 
         executors=executors,
         device_type=args.device,
         config=memory,
-        loss="trace" if loss == "trace" else "eager",
+        loss="trace" if loss in losses.INSIDE else "eager",
     )
 
 
@@ -244,7 +251,7 @@ def _estimate(trainer) -> dict:
     """``estimate_step`` of the ThunderModule, compiled but not yet run, with the eager cross-entropy and the state
     the optimizer will hold, where the mode has a ThunderModule: the peak, and how many gathered parameters (and
     their bytes) are alive at it."""
-    if trainer.jitted is None or trainer.loss not in ("eager", "trace"):
+    if trainer.jitted is None or trainer.loss in losses.OUTSIDE:
         return {}  # an external loss runs outside every trace: an estimate would leave it out
     from thunder_fsdp_mem import estimate_step
     from thunder_fsdp_mem.analysis.categories import Category

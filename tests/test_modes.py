@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from configs import BY_NAME
+from configs import BY_NAME, SOFTCAP_TIED
 from thunder_fsdp_mem.training import models, modes, runtime
 
 CPU = runtime.Rank(0, 1, torch.device("cpu"))
@@ -37,3 +37,30 @@ def test_the_activation_memory_budget_is_torch_compiles():
         modes.build("thunder", SPEC, CPU, activation_memory_budget=0.5)
     with pytest.raises(ValueError, match="activation_memory_budget must be between 0 and 1, got 1.5"):
         modes.build("inductor", SPEC, CPU, activation_memory_budget=1.5)
+
+
+@pytest.mark.parametrize("loss", ["trace", "view", "litgpt"])
+def test_the_losses_compiled_with_the_model_are_the_cross_entropy_of_its_logits(loss):
+    idx, targets = models.batch(SPEC)
+    trainer = modes.build("eager", SPEC, CPU, dtype=torch.float32, loss=loss)
+    gpt = modes._gpt(SPEC, CPU, torch.float32)  # the same seed: the same weights
+    logits = gpt(idx)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    torch.testing.assert_close(trainer.step(idx, targets), expected.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_spec_with_vectorized_window_masks_gives_the_same_model_with_the_fixed_mask():
+    from thunder_fsdp_mem.window_mask import WindowMaskAttention
+
+    spec = dataclasses.replace(
+        SOFTCAP_TIED, n_layers=2, block_size=32, overrides=(*SOFTCAP_TIED.overrides, ("sliding_window_size", 8))
+    )
+    fixed = dataclasses.replace(spec, vectorized_window_masks=True)
+    torch.manual_seed(0)
+    plain = spec.gpt()
+    torch.manual_seed(0)
+    vectorized = fixed.gpt()
+    assert any(isinstance(m, WindowMaskAttention) for m in vectorized.modules())
+    assert not any(isinstance(m, WindowMaskAttention) for m in plain.modules())
+    idx, _ = models.batch(spec)
+    assert torch.equal(plain(idx), vectorized(idx))

@@ -9,6 +9,10 @@
   ``available(loss)`` says whether one is importable. Cut Cross-Entropy takes no bias on the head.
 - ``chunked``: the same, with the package's own ``chunked_linear_cross_entropy`` (``loss.function``) after the
   compiled hidden states, its chunk count its default.
+- ``view``, ``litgpt``: the loss as users write it inside their own module, compiled with the model
+  (``UserLoss``): ``F.cross_entropy(gpt(idx).view(-1, V), targets.view(-1))``, or litgpt's
+  ``chunked_cross_entropy(gpt(idx), targets)`` at the chunk size litgpt's pretrain and finetune use. The transform
+  chunks both in the trace, as it does ``LossModel``'s.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import torch
 
 from thunder_fsdp_mem.loss.function import chunked_linear_cross_entropy
 
-LOSSES = ("eager", "trace", "liger", "cce", "chunked")
+LOSSES = ("eager", "trace", "view", "litgpt", "liger", "cce", "chunked")
 EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # the packages of the external losses
 OUTSIDE = ("liger", "cce", "chunked")  # a fused linear cross-entropy after the compiled hidden states
+INSIDE = ("trace", "view", "litgpt")  # compiled with the model: the step's module takes (idx, targets)
+USER_FORMS = ("view", "litgpt")  # ``UserLoss``'s
 
 
 def available(loss: str) -> bool:
@@ -67,3 +73,23 @@ class ExternalLoss(torch.nn.Module):
         from cut_cross_entropy import linear_cross_entropy
 
         return linear_cross_entropy(hidden, head.weight, targets, ignore_index=self.ignore_index, softcap=self.softcap)
+
+
+class UserLoss(torch.nn.Module):
+    """A user's own module around ``gpt`` with the loss written the usual way (``form``: ``view`` or ``litgpt``, the
+    module docstring), so that the benchmark measures what the transform does with it, not with ``LossModel``."""
+
+    def __init__(self, gpt: torch.nn.Module, form: str):
+        super().__init__()
+        if form not in USER_FORMS:
+            raise ValueError(f"a user's loss form must be one of {', '.join(USER_FORMS)}, got {form!r}")
+        self.gpt = gpt
+        self.form = form
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.gpt(idx)
+        if self.form == "view":
+            return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        from litgpt.utils import chunked_cross_entropy
+
+        return chunked_cross_entropy(logits, targets)

@@ -26,12 +26,15 @@ class ModelSpec:
     n_layers: number of transformer blocks (None keeps the configuration's).
     block_size: sequence length of the step (also the model's block size).
     overrides: further ``Config`` fields as (name, value) pairs, to shrink a model for tests.
+    vectorized_window_masks: sliding-window attention with its mask built by one comparison
+        (``window_mask.vectorize_window_masks``), bit for bit litgpt's mask without its Python loop.
     """
 
     name: str
     n_layers: int | None = None
     block_size: int = 2048
     overrides: tuple[tuple[str, object], ...] = ()
+    vectorized_window_masks: bool = False
 
     def __post_init__(self) -> None:
         if self.n_layers is not None and (not isinstance(self.n_layers, int) or self.n_layers < 1):
@@ -61,6 +64,16 @@ class ModelSpec:
         n_layers = config.n_layer if config.n_layer != named.n_layer else None
         return cls(name=config.name, n_layers=n_layers, block_size=block_size, overrides=changed)
 
+    def gpt(self) -> GPT:
+        """The litgpt model of this spec on the current default device, in float32 (the mask fix applied where
+        asked)."""
+        gpt = GPT(self.config())
+        if self.vectorized_window_masks:
+            from thunder_fsdp_mem.window_mask import vectorize_window_masks
+
+            vectorize_window_masks(gpt)
+        return gpt
+
     def config(self) -> Config:
         kwargs = dict(self.overrides)
         if self.n_layers is not None:
@@ -89,7 +102,7 @@ def build(
     """The model of ``spec`` with its loss, on ``device`` in ``dtype``, deterministically initialised."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LossModel(GPT(spec.config()))
+        model = LossModel(spec.gpt())
     return model.to(dtype)
 
 

@@ -81,7 +81,7 @@ class Trainer:
         while it runs the step, so the other modes compile in their first step. True if it compiled here."""
         if self.jitted is None:
             return False
-        args = (idx, targets) if self.loss == "trace" else (idx,)
+        args = (idx, targets) if self.loss in losses.INSIDE else (idx,)
         thunder.compile_data(self.jitted).get_computation_and_inputs(*args)
         return True
 
@@ -135,7 +135,8 @@ def build(
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
-    ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss;
+    ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss (the
+    user's forms ``view`` and ``litgpt`` too);
     ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run
     that fused loss after it."""
     if loss not in losses.LOSSES:
@@ -196,7 +197,7 @@ def _cpu_inductor() -> None:
 def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(rank.device):
-        gpt = GPT(spec.config())
+        gpt = spec.gpt()
     return gpt.to(dtype)
 
 
@@ -210,12 +211,17 @@ def _with_loss(gpt: GPT, loss: str, compile_body: Callable[[torch.nn.Module], to
     if loss == "eager":
         compiled = compile_body(gpt)
         return compiled, compiled
-    if loss == "trace":
-        compiled = compile_body(LossModel(gpt))
+    if loss in losses.INSIDE:
+        compiled = compile_body(_inside(gpt, loss))
         return compiled, compiled
     model = losses.ExternalLoss(gpt, loss)
     model.set_body(compile_body(HiddenStates(gpt)))
     return model, model.body
+
+
+def _inside(gpt: GPT, loss: str) -> torch.nn.Module:
+    """The model with its loss in one module: ``LossModel`` (``trace``) or the user's own (``losses.UserLoss``)."""
+    return LossModel(gpt) if loss == "trace" else losses.UserLoss(gpt, loss)
 
 
 def _thunder(mode, spec, rank, executors, dtype, loss, *, shard: str | None, mem, probe) -> Trainer:
@@ -277,8 +283,8 @@ def _fsdp2(mode, spec, rank, shard, dtype, loss, *, compiler) -> Trainer:
     if loss == "eager":
         root = shard_fsdp2(gpt, shard)
         model = compile_body(root)
-    elif loss == "trace":
-        root = shard_fsdp2(gpt, shard, LossModel(gpt))
+    elif loss in losses.INSIDE:
+        root = shard_fsdp2(gpt, shard, _inside(gpt, loss))
         model = compile_body(root)
     else:
         root = model = shard_fsdp2(gpt, shard, losses.ExternalLoss(gpt, loss))
