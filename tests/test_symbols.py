@@ -76,3 +76,45 @@ def test_accumulating_reductions_are_found_inside_composite_symbols():
     assert by_name["_softmax"] and "sum" not in by_name  # the sum is inside softmax's own symbols
     assert by_name["var_mean"]
     assert not by_name["amax"] and not by_name["exp"]  # a maximum is exact in any order; exp is elementwise
+
+
+def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
+    # The literal tables as they were before they were built from Thunder's objects (lightning-thunder 0.2.7).
+    assert symbols.COLLECTIVES == {
+        "torch_all_gather_prim_impl",
+        "torch_reduce_scatter_prim_impl",
+        "torch_all_reduce_prim_impl",
+        "torch_broadcast_prim_impl",
+    }
+    assert (
+        symbols.ALL_GATHER == "torch_all_gather_prim_impl"
+        and symbols.REDUCE_SCATTER == "torch_reduce_scatter_prim_impl"
+    )
+    assert symbols.WAITS == {"torch_wait_prim_impl"}
+    assert symbols.PACKS == {"torch_pack_prim_impl", "torch_pack_for_fsdp_prim_impl"}
+    assert symbols.CLEAR == "clear_mutable_collection"
+    assert symbols.MATMULS == {"matmul", "linear"}
+    assert {symbols.EFFICIENT_ATTENTION, symbols.FLASH_ATTENTION} == {
+        "sdpaex_grad_forward_scaled_dot_product_efficient_attention",
+        "sdpafx_grad_forward_scaled_dot_product_efficient_attention",
+    }
+    extra_views = {"torch_slice_prim_impl", "alias", "update_aliases", "torch_wait_prim_impl", "broadcast_to", "mT"}
+    assert symbols.VIEW_OPS == symbols.view_symbol_names() | extra_views
+    assert symbols.RESHAPE_OPS == {"reshape", "torch_prims_reshape_impl", "flatten", "reshape_as"}
+    assert symbols.ACCUMULATING_OPS == {"sum", "mean", "var", "var_mean", "prod", "cumsum", "cumprod"}
+    assert symbols._COPIES == {"copy_", "torch_copy__prim_impl"}
+    assert symbols.ELEMENTWISE_OPS == set(
+        "to clone add sub mul true_divide div torch_div_prim_impl neg exp log erf tanh sigmoid where pow rsqrt sqrt "
+        "abs gelu silu relu maximum minimum ge gt le lt eq ne logical_not reciprocal masked_fill sin cos type_as "
+        "float bfloat16 half log1p expm1 clamp square bitwise_and bitwise_or".split()
+    )
+    prim_views = {prim: symbols.symbol_name(op) for prim, op in symbols._PRIM_VIEWS.items()}
+    assert prim_views == {
+        PrimIDs.SLICE: "torch_slice_prim_impl",
+        PrimIDs.BROADCAST_IN_DIM: "expand",
+        PrimIDs.TRANSPOSE: "permute",
+        PrimIDs.RESHAPE: "reshape",
+        PrimIDs.VIEW: "view",
+        PrimIDs.SQUEEZE: "squeeze",
+        PrimIDs.SHALLOW_COPY: "shallow_copy",
+    }

@@ -32,7 +32,6 @@ from thunder.core.proxies import TensorProxy
 
 from thunder_fsdp_mem.analysis import chunked_loss, device, layout
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -40,6 +39,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     COLLECTIVES,
     ELEMENTWISE_OPS,
     KNOWN_EXECUTORS,
+    MATMULS,
     PACKS,
     REDUCE_SCATTER,
     RESHAPE_OPS,

@@ -58,7 +58,6 @@ from thunder.core.trace import TraceCtx
 from thunder_fsdp_mem.analysis.cost import (
     ATTENTION,
     H200,
-    MATMULS,
     DeviceRates,
     attention_options,
     op_seconds,
@@ -67,6 +66,7 @@ from thunder_fsdp_mem.analysis.cost import (
 )
 from thunder_fsdp_mem.analysis.symbols import (
     ELEMENTWISE_OPS,
+    MATMULS,
     RESHAPE_OPS,
     UNPACK_IDS,
     VIEW_OPS,
