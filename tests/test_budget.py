@@ -17,7 +17,7 @@ from litgpt import GPT
 
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
-from thunder_fsdp_mem.analysis.cost import MATMULS
+from thunder_fsdp_mem.analysis.symbols import MATMULS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import REMATERIALIZE
 from thunder_fsdp_mem.analysis.allocator import over_cap, replay_step

@@ -31,6 +31,23 @@ BINARY = ("add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", 
 INEXACT = (1.4142135623730951, 0.42044820762685725, 1e-05)
 
 
+def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
+    # The literal tables as they were before they were built from Thunder's objects (lightning-thunder 0.2.7).
+    unary = {"neg", "abs", "exp", "expm1", "log", "log1p", "tanh", "sigmoid", "reciprocal", "cos"}
+    both = unary | set(BINARY)
+    assert casts.FOLDABLE == {
+        "cuda": {"bf16": both | {"rsqrt", "erf", "sqrt", "sin"}, "f16": both | {"rsqrt", "erf", "sqrt", "sin"}},
+        "cpu": {"bf16": both | {"sqrt", "sin"}, "f16": both},
+    }
+    divisor = {("true_divide", 1), ("torch_div_prim_impl", 1)}
+    assert casts.INEXACT_NUMBER == {
+        "cuda": divisor | {(op, i) for op in ("add", "sub", "mul") for i in (0, 1)},
+        "cpu": divisor | {("mul", 1)},
+    }
+    assert casts._WITH_NUMBER == {"add", "sub", "mul", "true_divide", "torch_div_prim_impl"}
+    assert casts._CASTS == {"to", "convert_element_type"}
+
+
 @pytest.mark.parametrize("low, dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
 def test_the_cpu_tables_hold_for_every_value(low, dtype):
     # What the table lets fold computes the same bits in 16 bits as upcast, op, round, on this CPU as on every CPU

@@ -10,7 +10,15 @@ import torch
 from thunder.executors.sdpaex import sdpea_gradfwd, sdpfa_gradfwd
 
 from thunder_fsdp_mem.training.cudnn_attention import cudnn_forward
-from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_flops, op_seconds, op_traffic, traffic_equivalent
+from thunder_fsdp_mem.analysis.cost import (
+    ATTENTION,
+    H200,
+    DeviceRates,
+    op_flops,
+    op_seconds,
+    op_traffic,
+    traffic_equivalent,
+)
 
 RATES = DeviceRates(name="test", matmul_flops=MappingProxyType({"bf16": 1e12, "f32": 1e11}), bandwidth=1e11)
 
@@ -59,6 +67,11 @@ def test_causal_attention_is_half_the_full_matrix():
     assert op_flops(efficient) == (4 * 4 * 256 * 256 * 32, "bf16")
     cudnn = _bsym(lambda a, b, c: cudnn_forward(a, b, c, 0.0, True, None), q, k, v, name="cudnn_sdpa_forward")
     assert op_flops(cudnn) == op_flops(flash)
+
+
+def test_the_attention_kernels_are_thunders_sdpa_forwards_and_the_packages_cudnn_one():
+    # The cuDNN forward is the package's own op, named by a literal in cost (analysis imports nothing of training).
+    assert ATTENTION == {sdpea_gradfwd.id, sdpfa_gradfwd.id, cudnn_forward.id}
 
 
 def test_views_cost_nothing_and_elementwise_ops_their_traffic():

@@ -5,7 +5,7 @@ import thunder
 import thunder.torch as ltorch
 import torch
 
-from thunder_fsdp_mem.analysis import layout
+from thunder_fsdp_mem.analysis import effects, layout
 from thunder_fsdp_mem.analysis.effects import Kind, classify
 from thunder_fsdp_mem.analysis.symbols import shape
 
@@ -28,6 +28,28 @@ def _effects(fn, *args):
 
 def _by_name(effects, name):
     return next(e for b, e in effects if b.sym.name == name)
+
+
+def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
+    # The literal names as they were before they were built from Thunder's objects (lightning-thunder 0.2.7).
+    assert effects._SAME_STRIDES == {
+        "shallow_copy",
+        "detach",
+        "alias",
+        "update_aliases",
+        "split",
+        "split_with_sizes",
+        "tensor_split",
+        "hsplit",
+        "vsplit",
+        "chunk",
+    }
+    assert effects._EXPANDS == {"expand", "expand_as", "broadcast_to"}
+    assert effects._TRANSPOSES == {"transpose", "swapaxes", "swapdims", "t", "mT", "adjoint"}
+    assert effects._SQUEEZES == {"squeeze", "select", "unbind"} and effects._SELECTS == {"select", "unbind"}
+    assert effects._SOFTMAXES == {"softmax", "log_softmax"}
+    assert (effects._CONTIGUOUS, effects._TO, effects._LINEAR) == ("contiguous", "to", "linear")
+    assert (effects._UNSQUEEZE, effects._PERMUTE) == ("unsqueeze", "permute")
 
 
 def transposed_then_flat(x):

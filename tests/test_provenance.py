@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from thunder_fsdp_mem.analysis import provenance
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict.emulate import trace_step
@@ -29,6 +30,17 @@ def step(request):
 def _made(estimate, stage: Stage):
     """Every allocation the step's traces of ``stage`` made, as the step places them (FSDP2: at each block)."""
     return [a for p in estimate.phases if p.stage is stage and p.timeline is not None for a in p.timeline.allocations]
+
+
+def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
+    # The literal names as they were before they were built from Thunder's objects (lightning-thunder 0.2.7).
+    assert provenance._SHAPES == set(
+        "unsqueeze squeeze reshape view expand broadcast_in_dim transpose permute t convert_element_type to "
+        "contiguous stride_order".split()
+    )
+    assert provenance._NO_CODE == {"python_del", "python_return", "clear_mutable_collection"}
+    in_transit = {"true_divide", "div", "convert_element_type", "to", "reshape", "view", "mul"}
+    assert provenance._IN_TRANSIT == {"torch_reduce_scatter_prim_impl", "torch_wait_prim_impl"} | in_transit
 
 
 def test_the_logits_are_the_heads_output(step):

@@ -129,6 +129,20 @@ def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(tr
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_t)) and len(grads) == 2
 
 
+def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
+    # The literal names as they were before they were built from Thunder's objects (lightning-thunder 0.2.7).
+    factories = {"arange", "full", "full_like", "ones", "ones_like", "zeros", "zeros_like"}
+    cheap = set(
+        "convert_element_type broadcast_in_dim cat torch_pad_prim_impl pad bool float half bfloat16 double sum "
+        "var_mean mean var amax amin prod contiguous softmax _softmax log_softmax _log_softmax".split()
+    )
+    elementwise, views = mincut.ELEMENTWISE_OPS, mincut.VIEW_OPS
+    assert mincut.RECOMPUTABLE_OPS == elementwise | (views - mincut.WAITS) | mincut.RESHAPE_OPS | factories | cheap
+    assert mincut._ALLOCATING == (elementwise - views - {"to", "type_as"}) | factories
+    assert mincut.PRICED_OPS == mincut.MATMULS | mincut.ATTENTION | {"embedding"}
+    assert mincut._MATMUL == "matmul"
+
+
 _ex = OperatorExecutor("thunder_fsdp_mem_recompute_test_ex", version="0.1")
 _opaque = _ex.register_operator("opaque_twice", meta=lambda a: TensorProxy(like=a), fn=lambda a: a * 2)
 

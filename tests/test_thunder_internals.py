@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import thunder
+import thunder.torch as ltorch
 import torch
 from thunder.executors.torch_compile import torch_compile_ex
 
@@ -42,6 +43,8 @@ def test_each_works_on_the_installed_thunder():
     claimed = door.implementations(torch_compile_ex)
     assert claimed and all(hasattr(info, "symbol") for info in claimed.values())
     assert {"view", "transpose", "permute"} <= door.view_symbol_names()
+    softmax = thunder.trace()(lambda x: ltorch.softmax(x, -1), torch.randn(2, 3))
+    assert door.softmax_symbol() in [b.sym for b in softmax.bound_symbols]
     import thunder.executors.sdpaex as sdpaex
 
     before = sdpaex._fused_sdp_choice

@@ -15,6 +15,8 @@ Private names, each behind one function:
   generated code calls; a renamed fusion needs its callable under the new name.
 - ``view_symbol_names()``: ``thunder.torch._syms_returning_views``, the torch symbols whose outputs alias their
   first input.
+- ``softmax_symbol()``: ``thunder.torch._softmax``, the symbol ``torch.softmax`` and ``Tensor.softmax`` trace to
+  (``thunder.torch.softmax`` is a function that calls it).
 - ``original_module(fn)``: ``ThunderModule._model``, the module ``thunder.jit`` was given (its submodules name
   the allocations of the traces).
 - ``sdpa_choice(choice)``: ``thunder.executors.sdpaex._fused_sdp_choice``, which kernel Thunder's sdpa executor
@@ -46,6 +48,7 @@ PRIVATE_NAMES = (
     "_implmap",
     "_call_ctx",
     "_syms_returning_views",
+    "_softmax",
     "_fused_sdp_choice",
     "_model",
 )
@@ -83,6 +86,11 @@ def original_module(fn):
 def view_symbol_names() -> frozenset[str]:
     """The names of the torch symbols Thunder knows to return a view of their first input."""
     return frozenset(s.name for s in ltorch._syms_returning_views)
+
+
+def softmax_symbol():
+    """The symbol ``torch.softmax`` traces to."""
+    return ltorch._softmax
 
 
 @contextmanager

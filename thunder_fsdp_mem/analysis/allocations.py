@@ -15,6 +15,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from thunder_fsdp_mem.analysis.categories import Category
+from thunder_fsdp_mem.analysis.symbols import MATMULS
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,7 @@ class InputSpec:
     nbytes: int | None = None
 
 
-_HEAD_OPS = frozenset({"linear", "matmul"})
+_HEAD_OPS = MATMULS  # the ops a language-model head runs
 _TRACE_NAME = re.compile(r"[a-z_]{1,4}\d+")
 
 

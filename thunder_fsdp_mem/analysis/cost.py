@@ -27,17 +27,19 @@ from types import MappingProxyType
 
 from thunder_fsdp_mem.analysis import symbols
 
-MATMULS = frozenset({"matmul", "linear"})
 # Thunder's sdpa executor's forwards, by name, with the positions of their dropout and causal arguments: the
 # memory-efficient kernel's (query, key, value, attn_mask, dropout_p, is_causal, scale), and the flash kernel's,
 # which Thunder names ``sdpafx_..._efficient_attention`` too: (query, key, value, dropout_p, is_causal); and the
-# cuDNN kernel's of ``training.cudnn_attention`` (query, key, value, dropout_p, is_causal, scale).
+# cuDNN kernel's of ``training.cudnn_attention`` (query, key, value, dropout_p, is_causal, scale), the package's
+# own op, by a literal (``analysis`` imports nothing of ``training``; tests/test_cost.py checks that it agrees).
 _ATTENTION_OPTIONS = {
-    "sdpaex_grad_forward_scaled_dot_product_efficient_attention": (4, 5),
-    "sdpafx_grad_forward_scaled_dot_product_efficient_attention": (3, 4),
+    symbols.EFFICIENT_ATTENTION: (4, 5),
+    symbols.FLASH_ATTENTION: (3, 4),
     "cudnn_sdpa_forward": (3, 4),
 }
 ATTENTION = frozenset(_ATTENTION_OPTIONS)
+# ``broadcast_in_dim``: the prim's own name, which ``sym_id`` never gives (it names the prim ``expand``), kept from the
+# first table.
 _NO_KERNEL = symbols.VIEW_OPS | symbols.RESHAPE_OPS | {"broadcast_in_dim"}
 
 
@@ -86,7 +88,7 @@ def op_flops(bsym) -> tuple[float, str]:
         return total, next((d for f, d in found if f), "")
     sid = symbols.sym_id(bsym)
     args = symbols.tensor_args(bsym)
-    if sid in MATMULS and len(args) >= 2:
+    if sid in symbols.MATMULS and len(args) >= 2:
         out = symbols.tensor_outputs(bsym)[0]
         k = symbols.shape(args[0])[-1]
         numel = 1

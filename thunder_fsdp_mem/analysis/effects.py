@@ -27,12 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
+import thunder.torch as ltorch
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
+from thunder.executors import torchex
 
 from thunder_fsdp_mem.analysis import chunked_loss, device, layout
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.analysis.symbols import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -40,20 +41,49 @@ from thunder_fsdp_mem.analysis.symbols import (
     COLLECTIVES,
     ELEMENTWISE_OPS,
     KNOWN_EXECUTORS,
+    MATMULS,
     PACKS,
     REDUCE_SCATTER,
     RESHAPE_OPS,
+    SLICE,
     UNPACK_IDS,
     VIEW_OPS,
     WAITS,
     TensorLike,
     is_fusion,
+    names,
     nbytes,
     shape,
     sym_id,
+    symbol_name,
     tensor_args,
     tensor_outputs,
 )
+
+_CONTIGUOUS = symbol_name(ltorch.contiguous)
+_TO = symbol_name(ltorch.to)
+_LINEAR = symbol_name(ltorch.linear)
+# View ops by how their strides follow from their base's (``_view_strides``). ``alias``, ``broadcast_to`` and ``mT``:
+# names no op of Thunder bears, as in ``symbols.VIEW_OPS``.
+_SAME_STRIDES = names(
+    torchex.shallow_copy,
+    ltorch.detach,
+    torchex.update_aliases,
+    ltorch.split,
+    ltorch.split_with_sizes,
+    ltorch.tensor_split,
+    ltorch.hsplit,
+    ltorch.vsplit,
+    ltorch.chunk,
+) | frozenset({"alias"})
+_EXPANDS = names(ltorch.expand, ltorch.expand_as) | frozenset({"broadcast_to"})
+_UNSQUEEZE = symbol_name(ltorch.unsqueeze)
+_PERMUTE = symbol_name(ltorch.permute)
+_TRANSPOSES = names(ltorch.transpose, ltorch.swapaxes, ltorch.swapdims, ltorch.t, ltorch.adjoint) | frozenset({"mT"})
+_SELECTS = names(ltorch.select, ltorch.unbind)  # drop the one dimension they index
+_SQUEEZES = names(ltorch.squeeze) | _SELECTS
+# Ops that convert their input to the ``dtype`` they are given first (``_workspace``).
+_SOFTMAXES = names(torchex.softmax, ltorch.log_softmax)
 
 
 class Kind(Enum):
@@ -120,12 +150,12 @@ def classify(bsym, strides_of: StridesOf) -> Effect:
         if new is None:
             return Effect(Kind.COMPUTE, (Output(outs[0], None, layout.contiguous_strides(shape(outs[0]))),))
         return Effect(Kind.COMPUTE, (Output(outs[0], first.name, new),))
-    if sid == "contiguous" and first is not None:
+    if sid == _CONTIGUOUS and first is not None:
         st = strides_of(first.name)
         if layout.is_contiguous(shape(first), st):
             return Effect(Kind.COMPUTE, (Output(outs[0], first.name, st),))
         return Effect(Kind.COMPUTE, (Output(outs[0], None, layout.contiguous_strides(shape(first))),))
-    if sid == "to" and first is not None and _to_is_noop(bsym, first, outs[0]):
+    if sid == _TO and first is not None and _to_is_noop(bsym, first, outs[0]):
         return Effect(Kind.COMPUTE, (Output(outs[0], first.name, strides_of(first.name)),))
     if sid in COLLECTIVES:
         return _collective(bsym, sid, first, outs)
@@ -154,37 +184,26 @@ def _view(bsym, sid: str, base: TensorLike, out: TensorLike, strides_of: Strides
 
 def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.Strides) -> layout.Strides:
     in_shape, out_shape = shape(base), shape(out)
-    if sid in (
-        "shallow_copy",
-        "detach",
-        "alias",
-        "update_aliases",
-        "split",
-        "split_with_sizes",
-        "tensor_split",
-        "hsplit",
-        "vsplit",
-        "chunk",
-    ):
+    if sid in _SAME_STRIDES:
         return st if len(st) == len(out_shape) else layout.contiguous_strides(out_shape)
     if bsym.sym.id == PrimIDs.BROADCAST_IN_DIM:
         return layout.broadcast_in_dim(in_shape, st, out_shape, bsym.args[2])
-    if sid in ("expand", "expand_as", "broadcast_to"):
+    if sid in _EXPANDS:
         return layout.expanded(in_shape, st, out_shape)
-    if sid == "unsqueeze":
+    if sid == _UNSQUEEZE:
         return layout.unsqueezed(in_shape, st, int(bsym.args[1]))
-    if sid == "permute":
+    if sid == _PERMUTE:
         dims = bsym.args[1] if len(bsym.args) == 2 and isinstance(bsym.args[1], Sequence) else bsym.args[1:]
         return layout.permuted(st, dims)
-    if sid in ("transpose", "swapaxes", "swapdims", "t", "mT", "adjoint"):
+    if sid in _TRANSPOSES:
         d0, d1 = (int(bsym.args[1]), int(bsym.args[2])) if len(bsym.args) >= 3 else (-2, -1)
         out = list(st)
         out[d0], out[d1] = out[d1], out[d0]
         return tuple(out)
-    if sid == "torch_slice_prim_impl":
+    if sid == SLICE:
         steps = bsym.args[3] if len(bsym.args) > 3 else bsym.kwargs.get("strides")
         return layout.sliced(st, steps)
-    if sid in ("squeeze", "select", "unbind"):
+    if sid in _SQUEEZES:
         if len(out_shape) < len(in_shape):
             keep = _dims_kept(in_shape, out_shape, bsym, sid)
             return tuple(st[d] for d in keep)
@@ -194,7 +213,7 @@ def _view_strides(bsym, sid: str, base: TensorLike, out: TensorLike, st: layout.
 
 
 def _dims_kept(in_shape, out_shape, bsym, sid) -> list[int]:
-    if sid in ("select", "unbind"):
+    if sid in _SELECTS:
         dim = int(bsym.args[1]) if len(bsym.args) > 1 else 0
         dim %= len(in_shape)
         return [d for d in range(len(in_shape)) if d != dim]
@@ -339,9 +358,9 @@ def _workspace(bsym, sid: str, args: Sequence[TensorLike], strides_of: StridesOf
             softcap=bsym.args[chunked_loss.SOFTCAP_ARG] is not None,
             device_type=device.device_type(hidden) or "cpu",  # a meta trace: the device ``as_on`` names
         )
-    if sid in ("matmul", "linear") and len(args) >= 2:
+    if sid in MATMULS and len(args) >= 2:
         return _matmul_workspace(sid, args[0], args[1], strides_of)
-    if sid in ("softmax", "log_softmax") and args:
+    if sid in _SOFTMAXES and args:
         dtype = bsym.kwargs.get("dtype", bsym.args[2] if len(bsym.args) > 2 else None)
         if dtype is not None and _dtype_bytes(dtype) is not None and _dtype_bytes(dtype) != args[0].dtype.bytes:
             return nbytes(args[0]) // args[0].dtype.bytes * _dtype_bytes(dtype)
@@ -361,7 +380,7 @@ def _matmul_workspace(sid: str, a: TensorLike, b: TensorLike, strides_of: Stride
     """Bytes of the operand copies ``torch.matmul`` makes before its mm/bmm (CompositeImplicit decomposition)."""
     sa, sb = shape(a), shape(b)
     sta, stb = strides_of(a.name), strides_of(b.name)
-    if sid == "linear":
+    if sid == _LINEAR:
         sb, stb = (sb[1], sb[0]) if len(sb) == 2 else sb, (stb[1], stb[0]) if len(stb) == 2 else stb
     if len(sa) <= 2 and len(sb) <= 2:
         return 0

@@ -29,11 +29,16 @@ from functools import lru_cache
 
 import torch
 import thunder
+import thunder.torch as ltorch
+from thunder.core import prims
 
 from thunder_fsdp_mem.analysis.symbols import (
     ALL_GATHER,
+    CLEAR,
+    MATMULS,
     REDUCE_SCATTER,
     WAITS,
+    names,
     parameter_path,
     proxy_names,
     sym_id,
@@ -185,7 +190,7 @@ class Provenance:
             if not is_head(module):
                 return Origin(module, name)
             self.head = module
-            return Origin(module, name, role="logits" if name in ("linear", "matmul") else "loss")
+            return Origin(module, name, role="logits" if name in MATMULS else "loss")
         inputs = [o for o in map(self.origins.get, (a.name for a in tensor_args(op))) if o is not None]
         placed = self._in_code(index, op)
         if placed is not None:
@@ -268,26 +273,25 @@ def backward_names(forward, backward, forward_origins: Mapping[str, Origin], par
 
 
 _MOVES = frozenset({ALL_GATHER, *WAITS})
-_SHAPES = frozenset(
-    {
-        "unsqueeze",
-        "squeeze",
-        "reshape",
-        "view",
-        "expand",
-        "broadcast_in_dim",
-        "transpose",
-        "permute",
-        "t",
-        "convert_element_type",
-        "to",
-        "contiguous",
-        "stride_order",
-    }
-)
-_NO_CODE = frozenset({"python_del", "python_return", "clear_mutable_collection"})
-_IN_TRANSIT = frozenset(
-    {REDUCE_SCATTER, *WAITS, "true_divide", "div", "convert_element_type", "to", "reshape", "view", "mul"}
+# ``broadcast_in_dim``: the prim's own name, which ``sym_id`` never gives (it names the prim ``expand``), kept from the
+# first table.
+_SHAPES = names(
+    ltorch.unsqueeze,
+    ltorch.squeeze,
+    ltorch.reshape,
+    ltorch.view,
+    ltorch.expand,
+    ltorch.transpose,
+    ltorch.permute,
+    ltorch.t,
+    prims.convert_element_type,
+    ltorch.to,
+    ltorch.contiguous,
+    prims.stride_order,
+) | frozenset({"broadcast_in_dim"})
+_NO_CODE = frozenset({prims.python_del.name, prims.python_return.name, CLEAR})  # by name (an executor op's is its id)
+_IN_TRANSIT = frozenset({REDUCE_SCATTER, *WAITS}) | names(
+    ltorch.true_divide, ltorch.div, prims.convert_element_type, ltorch.to, ltorch.reshape, ltorch.view, ltorch.mul
 )
 
 

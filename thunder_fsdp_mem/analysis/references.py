@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, fields
 
+from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
 
 from thunder_fsdp_mem.analysis import layout
@@ -159,7 +160,7 @@ class References:
 
     def unpack(self, bsym) -> None:
         """The names an unpacking symbol binds; an ``unpack_sequence`` binds its collection's members."""
-        if bsym.sym.name == "unpack_sequence" and bsym.args and isinstance(bsym.args[0], CollectionProxy):
+        if bsym.sym.id == PrimIDs.UNPACK_SEQUENCE and bsym.args and isinstance(bsym.args[0], CollectionProxy):
             parent = self.object_of.get(bsym.args[0].name)
             members = self._members[parent] if parent is not None else None
             for i, out in enumerate(bsym.flat_proxy_outs):

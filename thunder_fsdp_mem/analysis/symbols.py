@@ -2,9 +2,13 @@
 tensors it reads and writes, how big a tensor is, and where each name is defined and read.
 
 - ``sym_id(bsym)``: the op's name as the tables of this package know it (the executor's id, or the short name of a
-  ``thunder.torch`` symbol, or the torch op with a view prim's semantics).
+  ``thunder.torch`` symbol, or the torch op with a view prim's semantics); ``symbol_name(sym)``, the same of a
+  Thunder symbol, and ``names(*syms)``, of several: every table of op names is built from Thunder's own objects
+  (``names(ltorch.add, ltorch.sub)``), so that a release that renames or removes an op fails at import instead of
+  never matching; a literal stays only where no Thunder object has the name, and says why.
 - The op families: ``VIEW_OPS`` (Thunder's own set of symbols that return views, plus the executor ops and prims
-  with the same semantics), ``RESHAPE_OPS``, ``ELEMENTWISE_OPS``, the collectives and their waits, the unpacks.
+  with the same semantics), ``RESHAPE_OPS``, ``ELEMENTWISE_OPS``, ``MATMULS``, the collectives and their waits,
+  Thunder's attention kernels, the unpacks.
 - ``def_use(bsyms) -> DefUse``: which position defines each name and which positions read it, the one index the
   passes build (Thunder's ``producers``/``consumers`` map proxies to bound symbols; the passes need positions).
 - ``without_dels(bsyms)``: a trace's symbols without its ``del``s (and collection clears), as every rewrite
@@ -19,86 +23,146 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import thunder.torch as ltorch
 import torch
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
+from thunder.executors import pythonex, sdpaex, torchex
 
 from thunder_fsdp_mem.thunder_internals import view_symbol_names
 
 TensorLike = TensorProxy | FutureTensorProxy
 Shape = tuple[int, ...]
 
-ALL_GATHER = "torch_all_gather_prim_impl"
-REDUCE_SCATTER = "torch_reduce_scatter_prim_impl"
-ALL_REDUCE = "torch_all_reduce_prim_impl"
-BROADCAST = "torch_broadcast_prim_impl"
+
+# Thunder prims that are views -> the op with the same semantics, by whose name the tables know them.
+_PRIM_VIEWS = {
+    PrimIDs.SLICE: torchex.slice_prim_impl,
+    PrimIDs.BROADCAST_IN_DIM: ltorch.expand,
+    PrimIDs.TRANSPOSE: ltorch.permute,
+    PrimIDs.RESHAPE: ltorch.reshape,
+    PrimIDs.VIEW: ltorch.view,
+    PrimIDs.SQUEEZE: ltorch.squeeze,
+    PrimIDs.SHALLOW_COPY: torchex.shallow_copy,
+}
+
+
+def symbol_name(sym) -> str:
+    """The name the tables of this package know the Thunder symbol ``sym`` by (``sym_id`` of its bound symbols):
+    the executor's id for executor ops (``torch_all_gather_prim_impl``), the short name for ``thunder.torch``
+    symbols (``add`` for the id ``torch.add``), the op with the same semantics for view prims, the name of other
+    prims."""
+    sid = sym.id
+    if isinstance(sid, str):
+        return sym.name if sid.startswith("torch.") else sid
+    view = _PRIM_VIEWS.get(sid)
+    return sym.name if view is None else symbol_name(view)
+
+
+def sym_id(bsym) -> str:
+    """The op's name as this package's tables know it (``symbol_name`` of its symbol)."""
+    return symbol_name(bsym.sym)
+
+
+def names(*syms) -> frozenset[str]:
+    """The names of Thunder's symbols ``syms`` (``symbol_name``): the tables are built from Thunder's own objects,
+    so that a release that renames or removes an op fails at import, not by never matching."""
+    return frozenset(symbol_name(s) for s in syms)
+
+
+def registered(executor, *ids: str) -> frozenset[str]:
+    """``ids``, each an op ``executor`` registers (a KeyError at import where it no longer does): for the ops
+    Thunder registers with its torch executor from its list of torch functions, which no module attribute holds."""
+    return names(*(executor.opmap[i] for i in ids))
+
+
+# The torch executor registers its collectives where torch.distributed is available (the FSDP paths need it).
+ALL_GATHER = symbol_name(torchex.all_gather_prim_impl)
+REDUCE_SCATTER = symbol_name(torchex.reduce_scatter_prim_impl)
+ALL_REDUCE = symbol_name(torchex.all_reduce_prim_impl)
+BROADCAST = symbol_name(torchex.broadcast_prim_impl)
 COLLECTIVES = frozenset({ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, BROADCAST})
-WAIT = "torch_wait_prim_impl"
+WAIT = symbol_name(torchex.wait_prim_impl)
 WAITS = frozenset({WAIT})
-PACKS = frozenset({"torch_pack_prim_impl", "torch_pack_for_fsdp_prim_impl"})
-CLEAR = "clear_mutable_collection"
+PACKS = names(torchex.pack_prim_impl, torchex.pack_for_fsdp_prim_impl)
+CLEAR = pythonex.clear_mutable_collection.id  # compared with a symbol's id
+SLICE = symbol_name(torchex.slice_prim_impl)
+UPDATE_ALIASES = symbol_name(torchex.update_aliases)
+MATMULS = names(ltorch.matmul, ltorch.linear)
+# The forwards (with what backward needs) of Thunder's sdpa executor: the memory-efficient kernel's and the flash
+# kernel's.
+EFFICIENT_ATTENTION = symbol_name(sdpaex.sdpea_gradfwd)
+FLASH_ATTENTION = symbol_name(sdpaex.sdpfa_gradfwd)
 
 # Outputs share the storage of the first tensor argument: Thunder's own set of symbols that return views, and
 # the executor ops with the same semantics that it does not list (the torch executor's slice, the wait of a
-# collective, which returns the tensor its future holds, Thunder's alias bookkeeping, broadcast_to, mT).
-VIEW_OPS = view_symbol_names() | frozenset(
-    {"torch_slice_prim_impl", "alias", "update_aliases", WAIT, "broadcast_to", "mT"}
-)
+# collective, which returns the tensor its future holds, Thunder's alias bookkeeping). ``alias``, ``broadcast_to``
+# and ``mT`` are torch's names, which no op of Thunder 0.2.6 or 0.2.7 bears (it traces ``broadcast_to`` as
+# ``expand``, ``mT`` as a transpose prim): literals, kept from the first tables.
+VIEW_OPS = view_symbol_names() | frozenset({SLICE, UPDATE_ALIASES, WAIT}) | frozenset({"alias", "broadcast_to", "mT"})
 # Outputs are views when torch can view the input, copies otherwise.
-RESHAPE_OPS = frozenset({"reshape", "torch_prims_reshape_impl", "flatten", "reshape_as"})
-# New tensors laid out like their (same-shaped) input: TensorIterator's preserve_format.
-ELEMENTWISE_OPS = frozenset(
-    {
-        "to",
-        "clone",
-        "add",
-        "sub",
-        "mul",
-        "true_divide",
-        "div",
-        "torch_div_prim_impl",
-        "neg",
-        "exp",
-        "log",
-        "erf",
-        "tanh",
-        "sigmoid",
-        "where",
-        "pow",
-        "rsqrt",
-        "sqrt",
-        "abs",
-        "gelu",
-        "silu",
-        "relu",
-        "maximum",
-        "minimum",
-        "ge",
-        "gt",
-        "le",
-        "lt",
-        "eq",
-        "ne",
-        "logical_not",
-        "reciprocal",
-        "masked_fill",
-        "sin",
-        "cos",
-        "type_as",
-        "float",
-        "bfloat16",
-        "half",
-        "log1p",
-        "expm1",
-        "clamp",
-        "square",
-        "bitwise_and",
-        "bitwise_or",
-    }
+RESHAPE_OPS = names(ltorch.reshape, torchex.torch_prims_reshape_impl, ltorch.flatten) | registered(
+    torchex.ex, "reshape_as"
+)
+# New tensors laid out like their (same-shaped) input: TensorIterator's preserve_format. ``float``: no op of Thunder
+# 0.2.6 or 0.2.7 bears the name (it traces ``Tensor.float()`` as ``convert_element_type``), kept from the first
+# table.
+ELEMENTWISE_OPS = (
+    names(
+        ltorch.to,
+        ltorch.clone,
+        ltorch.add,
+        ltorch.sub,
+        ltorch.mul,
+        ltorch.true_divide,
+        ltorch.div,
+        torchex.div_prim_impl,
+        ltorch.neg,
+        ltorch.exp,
+        ltorch.log,
+        ltorch.erf,
+        ltorch.tanh,
+        ltorch.sigmoid,
+        ltorch.where,
+        ltorch.pow,
+        ltorch.rsqrt,
+        ltorch.sqrt,
+        ltorch.abs,
+        ltorch.gelu,
+        ltorch.silu,
+        ltorch.relu,
+        ltorch.maximum,
+        ltorch.minimum,
+        ltorch.ge,
+        ltorch.gt,
+        ltorch.le,
+        ltorch.lt,
+        ltorch.eq,
+        ltorch.ne,
+        ltorch.logical_not,
+        ltorch.reciprocal,
+        ltorch.masked_fill,
+        ltorch.sin,
+        ltorch.cos,
+        ltorch.type_as,
+        ltorch.log1p,
+        ltorch.expm1,
+        ltorch.clamp,
+        ltorch.square,
+        ltorch.bitwise_and,
+        ltorch.bitwise_or,
+    )
+    | registered(torchex.ex, "bfloat16", "half")
+    | frozenset({"float"})
 )
 # Reductions that add or multiply many values: their rounding follows the order the kernel accumulates in, which a
 # fusion compiler chooses per region (Triton's block sizes and autotuned launch configurations, nvFuser's scheduler).
-ACCUMULATING_OPS = frozenset({"sum", "mean", "var", "var_mean", "prod", "cumsum", "cumprod"})
+ACCUMULATING_OPS = names(
+    ltorch.sum, ltorch.mean, ltorch.var, ltorch.var_mean, ltorch.prod, ltorch.cumsum, ltorch.cumprod
+)
+# In-place copies. ``torch_copy__prim_impl``: no op of Thunder 0.2.6 or 0.2.7 bears the name, kept from the first
+# table.
+_COPIES = names(ltorch.copy_) | frozenset({"torch_copy__prim_impl"})
 UNPACK_IDS = frozenset(
     {
         PrimIDs.UNPACK_TRIVIAL,
@@ -118,26 +182,6 @@ UNPACK_IDS = frozenset(
 )
 # Executors whose symbols follow torch's semantics op by op.
 KNOWN_EXECUTORS = frozenset({"torch", "python", "sdpa", "sdpa_cudnn", "cudnn", "fa3", "custom_op", "fsdp_mem_loss"})
-
-# Thunder prims that are views, by the name of the torch-executor op with the same semantics.
-_PRIM_VIEWS = {
-    PrimIDs.SLICE: "torch_slice_prim_impl",
-    PrimIDs.BROADCAST_IN_DIM: "expand",
-    PrimIDs.TRANSPOSE: "permute",
-    PrimIDs.RESHAPE: "reshape",
-    PrimIDs.VIEW: "view",
-    PrimIDs.SQUEEZE: "squeeze",
-    PrimIDs.SHALLOW_COPY: "shallow_copy",
-}
-
-
-def sym_id(bsym) -> str:
-    """The op's name as this package's tables know it: the executor's id for executor symbols, the short name
-    for ``thunder.torch`` symbols, the torch op with the same semantics for view prims."""
-    sid = bsym.sym.id
-    if isinstance(sid, str):
-        return bsym.sym.name if sid.startswith("torch.") else sid
-    return _PRIM_VIEWS.get(sid) or bsym.sym.name
 
 
 def tensor_args(bsym) -> list[TensorLike]:
@@ -189,7 +233,7 @@ def accumulates(bsym) -> bool:
 
 def is_copy_into(bsym) -> bool:
     """An in-place copy: it writes its destination argument, whose value then changes."""
-    return bsym.sym.id == PrimIDs.COPY_ or sym_id(bsym) in ("copy_", "torch_copy__prim_impl")
+    return bsym.sym.id == PrimIDs.COPY_ or sym_id(bsym) in _COPIES
 
 
 def is_del(bsym, *, clears: bool = True) -> bool:

@@ -31,38 +31,63 @@ device type set by ``as_on`` (the report's prediction), and not at all outside i
 
 from __future__ import annotations
 
+import thunder.torch as ltorch
 import torch
+from thunder.core import prims
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx
+from thunder.executors import torchex
 
 from thunder_fsdp_mem.analysis import device
-from thunder_fsdp_mem.analysis.symbols import def_use, dtype_name, shape, sym_id, tensor_outputs, without_dels
+from thunder_fsdp_mem.analysis.symbols import (
+    def_use,
+    dtype_name,
+    names,
+    shape,
+    sym_id,
+    symbol_name,
+    tensor_outputs,
+    without_dels,
+)
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.passes.driver import Context, Pair, Proposal
 from thunder_fsdp_mem.passes.edit import rebuilt
 
-_UNARY = frozenset({"neg", "abs", "exp", "expm1", "log", "log1p", "tanh", "sigmoid", "reciprocal", "cos"})
-_BINARY = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl", "maximum", "minimum"})
+_UNARY = names(
+    ltorch.neg,
+    ltorch.abs,
+    ltorch.exp,
+    ltorch.expm1,
+    ltorch.log,
+    ltorch.log1p,
+    ltorch.tanh,
+    ltorch.sigmoid,
+    ltorch.reciprocal,
+    ltorch.cos,
+)
+_ADD, _SUB, _MUL = symbol_name(ltorch.add), symbol_name(ltorch.sub), symbol_name(ltorch.mul)
+_DIVIDES = names(ltorch.true_divide, torchex.div_prim_impl)
+_BINARY = frozenset({_ADD, _SUB, _MUL}) | _DIVIDES | names(ltorch.maximum, ltorch.minimum)
 # device type -> 16-bit dtype -> ops whose 16-bit kernel computes what upcast, op, round computes. ``rsqrt`` on
 # CPU does so only in ATen's vectorized body: its scalar tail, and small tensors, differ (tests/test_casts.py).
 FOLDABLE: dict[str, dict[str, frozenset[str]]] = {
     "cuda": {
-        "bf16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"},
-        "f16": _UNARY | _BINARY | {"rsqrt", "erf", "sqrt", "sin"},
+        "bf16": _UNARY | _BINARY | names(ltorch.rsqrt, ltorch.erf, ltorch.sqrt, ltorch.sin),
+        "f16": _UNARY | _BINARY | names(ltorch.rsqrt, ltorch.erf, ltorch.sqrt, ltorch.sin),
     },
-    "cpu": {"bf16": _UNARY | _BINARY | {"sqrt", "sin"}, "f16": _UNARY | _BINARY},
+    "cpu": {"bf16": _UNARY | _BINARY | names(ltorch.sqrt, ltorch.sin), "f16": _UNARY | _BINARY},
 }
 # A number operand: any number exact in the 16-bit dtype, with the ops below. One that is not exact there only at
 # these (op, position) pairs; elsewhere the 16-bit kernel rounds it to the 16-bit dtype first.
-_WITH_NUMBER = frozenset({"add", "sub", "mul", "true_divide", "torch_div_prim_impl"})
-_DIVISOR = frozenset({("true_divide", 1), ("torch_div_prim_impl", 1)})
+_WITH_NUMBER = frozenset({_ADD, _SUB, _MUL}) | _DIVIDES
+_DIVISOR = frozenset((op, 1) for op in _DIVIDES)
 INEXACT_NUMBER: dict[str, frozenset[tuple[str, int]]] = {
-    "cuda": _DIVISOR | {(op, i) for op in ("add", "sub", "mul") for i in (0, 1)},
-    "cpu": _DIVISOR | {("mul", 1)},
+    "cuda": _DIVISOR | {(op, i) for op in (_ADD, _SUB, _MUL) for i in (0, 1)},
+    "cpu": _DIVISOR | {(_MUL, 1)},
 }
 _LOW = {"bf16": torch.bfloat16, "f16": torch.float16}
-_CASTS = frozenset({"to", "convert_element_type"})
+_CASTS = names(ltorch.to, prims.convert_element_type)
 
 
 def fold_casts(trace: TraceCtx, *, device_type: str | None = None) -> TraceCtx:

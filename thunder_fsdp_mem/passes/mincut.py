@@ -50,15 +50,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+import thunder.torch as ltorch
 from networkx.algorithms.flow import boykov_kolmogorov
+from thunder.core import prims
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, TensorProxy
 from thunder.core.trace import TraceCtx
+from thunder.executors import torchex
 
 from thunder_fsdp_mem.analysis.cost import (
     ATTENTION,
     H200,
-    MATMULS,
     DeviceRates,
     attention_options,
     op_seconds,
@@ -67,6 +69,7 @@ from thunder_fsdp_mem.analysis.cost import (
 )
 from thunder_fsdp_mem.analysis.symbols import (
     ELEMENTWISE_OPS,
+    MATMULS,
     RESHAPE_OPS,
     UNPACK_IDS,
     VIEW_OPS,
@@ -74,53 +77,50 @@ from thunder_fsdp_mem.analysis.symbols import (
     accumulates,
     is_copy_into,
     is_fusion,
+    names,
     nbytes,
     numel,
+    registered,
     sym_id,
+    symbol_name,
 )
 from thunder_fsdp_mem.passes.driver import PassError, Recomputed
 from thunder_fsdp_mem.passes.regions import Opened, opened, regions_traffic
+from thunder_fsdp_mem.thunder_internals import softmax_symbol
 
-# Cheap to recompute, and deterministic: elementwise ops and casts (``Tensor.bool()`` and its kind too), views and
-# reshapes, concatenation and padding, factories without randomness, and reductions (whose outputs are small and
-# whose cost is one read of the input).
+# Factories without randomness.
+_FACTORIES = names(
+    ltorch.arange, ltorch.full, ltorch.full_like, ltorch.ones, ltorch.ones_like, ltorch.zeros, ltorch.zeros_like
+)
+# Cheap to recompute, and deterministic: elementwise ops and casts (``Tensor.bool()`` and ``.double()`` too, which
+# Thunder registers from its list of torch functions), views and reshapes, concatenation and padding, factories
+# without randomness, and reductions (whose outputs are small and whose cost is one read of the input). Two names no op
+# of Thunder 0.2.6 or 0.2.7 bears, kept from the first table: ``broadcast_in_dim`` (the prim's own name; ``sym_id``
+# names it ``expand``) and ``_log_softmax`` (Thunder's ``log_softmax`` is a symbol of its own, unlike ``softmax``).
 RECOMPUTABLE_OPS = (
     ELEMENTWISE_OPS
     | (VIEW_OPS - WAITS)
     | RESHAPE_OPS
-    | frozenset(
-        {
-            "convert_element_type",
-            "broadcast_in_dim",
-            "cat",
-            "torch_pad_prim_impl",
-            "pad",
-            "arange",
-            "full",
-            "full_like",
-            "ones",
-            "ones_like",
-            "zeros",
-            "zeros_like",
-            "bool",
-            "float",
-            "half",
-            "bfloat16",
-            "double",
-            "sum",
-            "var_mean",
-            "mean",
-            "var",
-            "amax",
-            "amin",
-            "prod",
-            "contiguous",
-            "softmax",
-            "_softmax",
-            "log_softmax",
-            "_log_softmax",
-        }
+    | _FACTORIES
+    | names(
+        prims.convert_element_type,
+        ltorch.cat,
+        torchex.pad_prim_impl,
+        ltorch.pad,
+        ltorch.sum,
+        ltorch.var_mean,
+        ltorch.mean,
+        ltorch.var,
+        ltorch.amax,
+        ltorch.amin,
+        ltorch.prod,
+        ltorch.contiguous,
+        torchex.softmax,
+        softmax_symbol(),
+        ltorch.log_softmax,
     )
+    | registered(torchex.ex, "bool", "double")
+    | frozenset({"broadcast_in_dim", "_log_softmax"})
 )
 # A matmul whose output holds at least this many times the elements of its arguments together: attention's scores
 # (q @ k^T over a head's few dimensions), (T, T) from (T, d). The cut may recompute it without a price (``expanding``).
@@ -128,12 +128,11 @@ EXPANSION = 4
 
 # Ops whose output is always a new tensor (never a view of an argument; ``to`` returns its argument when it changes
 # nothing): what an in-place copy recomputed in backward may write into (``_fresh_copies``).
-_ALLOCATING = (ELEMENTWISE_OPS - VIEW_OPS - {"to", "type_as"}) | frozenset(
-    {"arange", "full", "full_like", "ones", "ones_like", "zeros", "zeros_like"}
-)
+_ALLOCATING = (ELEMENTWISE_OPS - VIEW_OPS - names(ltorch.to, ltorch.type_as)) | _FACTORIES
 
 # Deterministic too, but dear: recomputed only at a price (a memory budget).
-PRICED_OPS = MATMULS | ATTENTION | {"embedding"}
+PRICED_OPS = MATMULS | ATTENTION | names(ltorch.embedding)
+_MATMUL = symbol_name(ltorch.matmul)
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -211,7 +210,7 @@ def expanding(bsym) -> bool:
     if sum(numel(o) for o in outs) >= EXPANSION * sum(numel(a) for a in args):
         return True
     out, first = (outs[0].shape, args[0].shape) if len(outs) == 1 else ((), ())
-    return sym_id(bsym) == "matmul" and len(out) >= 3 and out[-1] == out[-2] > first[-1]
+    return sym_id(bsym) == _MATMUL and len(out) >= 3 and out[-1] == out[-2] > first[-1]
 
 
 def priced(bsym) -> bool:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
 
-from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.thunder_internals import update_fusion
 from thunder_fsdp_mem.analysis.effects import storage_roots
 from thunder_fsdp_mem.analysis.symbols import (
+    MATMULS,
     RESHAPE_OPS,
     VIEW_OPS,
     accumulates,

@@ -36,6 +36,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     KNOWN_EXECUTORS,
     RESHAPE_OPS,
     UNPACK_IDS,
+    UPDATE_ALIASES,
     VIEW_OPS,
     WAITS,
     def_use,
@@ -141,7 +142,7 @@ def pinned(bsym) -> bool:
 
 def _writes(bsym) -> bool:
     """Symbols that change an argument in place: copies, and Thunder's ``update_aliases``."""
-    return is_copy_into(bsym) or sym_id(bsym) == "update_aliases"
+    return is_copy_into(bsym) or sym_id(bsym) == UPDATE_ALIASES
 
 
 def _dependencies(body: list) -> list[set[int]]:
