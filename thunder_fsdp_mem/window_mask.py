@@ -40,7 +40,7 @@ class WindowMaskAttention(CausalSelfAttention):
     """litgpt's attention with its sliding-window mask built by ``window_mask`` (the module docstring)."""
 
     def forward(self, x, cos, sin, mask=None, input_pos=None, input_pos_maxp1=None):
-        if input_pos is not None or x.dtype != self.qkv.weight.dtype or torch.is_autocast_enabled(x.device.type):
+        if input_pos is not None or x.dtype != self.qkv.weight.dtype or _autocast(x.device):
             return super().forward(x, cos, sin, mask, input_pos, input_pos_maxp1)
         # litgpt's loop writes the dtype of q, the qkv linear's output: x's, here.
         mask = window_mask(x.size(1), self.config.sliding_window_size, dtype=x.dtype, device=x.device)
@@ -49,6 +49,11 @@ class WindowMaskAttention(CausalSelfAttention):
             return super().forward(x, cos, sin, mask, None, None)
         finally:
             self.apply_sliding_window_attention = True
+
+
+def _autocast(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type; the meta device (a prediction's traces) has none."""
+    return device.type != "meta" and torch.is_autocast_enabled(device.type)
 
 
 def vectorize_window_masks(model: torch.nn.Module) -> int:

@@ -19,7 +19,6 @@ from contextlib import nullcontext
 
 import torch
 import thunder
-from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
 from thunder_fsdp_mem.config import MemoryConfig
@@ -79,7 +78,7 @@ def trace_step(
     with ranks, as_on(device_type, chosen):
         torch.manual_seed(0)
         with torch.device("meta"):
-            gpt = GPT(spec.config())
+            gpt = spec.gpt()
         gpt = gpt.to(dtype)
         model = LossModel(gpt) if loss == "trace" else gpt
         jitted = thunder.jit(model, executors=chosen, transforms=transforms)
