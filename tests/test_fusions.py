@@ -18,11 +18,14 @@ import thunder
 import torch
 from thunder.dynamo import ThunderCompiler
 
-from configs import BY_NAME
+from configs import BY_NAME, SOFTCAP_TIED
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.passes.mincut import saved_tensors
+from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
 from thunder_fsdp_mem.training import models, runtime
@@ -133,3 +136,50 @@ def test_a_pair_thunders_helpers_refuse_leaves_the_traces_to_the_driver(block):
 
     with patch.object(remat, "find_cut", new=refuse), pytest.raises(fusions.FusionError, match="min-cut"):
         fusions.into_consumers(forward, backward)
+
+
+def _capped(n_layers: int, block_size: int):
+    """A tiny gemma-2: soft-capped attention, a sliding window on every other layer, the mask fix applied."""
+    return dataclasses.replace(SOFTCAP_TIED, n_layers=n_layers, block_size=block_size, vectorized_window_masks=True)
+
+
+def _saved_square(spec, config: MemoryConfig) -> list[tuple[int, ...]]:
+    """The shapes of the (..., T, T) tensors the jitted forward of ``spec`` with its loss saves, traced on the meta
+    device with the fused executors as on CUDA."""
+    chosen = runtime.executors("fused")
+    with as_on("cuda", chosen):
+        with torch.device("meta"):
+            model = LossModel(spec.gpt()).to(torch.bfloat16)
+        jitted = thunder.jit(model, executors=chosen, transforms=[FSDPMemoryTransform(config)])
+        idx, targets = models.batch(spec, device="meta")
+        jitted(idx, targets).backward()
+    T = spec.block_size
+    return [tuple(t.shape) for t in saved_tensors(thunder.last_traces(jitted)[-1]) if tuple(t.shape[-2:]) == (T, T)]
+
+
+def test_soft_capped_attention_saves_no_t_by_t_tensor_at_8192_tokens():
+    spec = _capped(2, 8192)
+    assert _saved_square(spec, MemoryConfig(fusion_rematerialize=False))  # what the backward would read otherwise
+    assert _saved_square(spec, MemoryConfig()) == []
+
+
+def test_soft_capped_attentions_scores_computed_again_give_eagers_gradients_in_float32():
+    spec = _capped(2, 256)  # long enough that (T, T) outweighs the (T, 4 x 32) query and key it comes from
+    idx, targets = models.batch(spec)
+    transform = FSDPMemoryTransform()
+
+    def step(compiled: bool):
+        torch.manual_seed(0)
+        model = LossModel(spec.gpt())
+        run = thunder.jit(model, executors=runtime.executors("fused"), transforms=[transform]) if compiled else model
+        loss = run(idx, targets)
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()], run
+
+    loss, grads, _ = step(compiled=False)
+    loss_t, grads_t, jitted = step(compiled=True)
+    square = [t for t in saved_tensors(thunder.last_traces(jitted)[-1]) if tuple(t.shape[-2:]) == (256, 256)]
+    assert square == []  # the scores and probabilities are computed again in the backward's fusions
+    assert abs(loss_t - loss) <= GRADIENT_TOLERANCE * abs(loss)
+    for g, g_t in zip(grads, grads_t, strict=True):
+        assert (g_t - g).abs().max() <= GRADIENT_TOLERANCE * g.abs().max()

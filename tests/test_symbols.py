@@ -113,7 +113,7 @@ def test_the_tables_built_from_thunder_hold_the_names_they_replaced():
     assert symbols.ELEMENTWISE_OPS == set(
         "to clone add sub mul true_divide div torch_div_prim_impl neg exp log erf tanh sigmoid where pow rsqrt sqrt "
         "abs gelu silu relu maximum minimum ge gt le lt eq ne logical_not reciprocal masked_fill sin cos type_as "
-        "float bfloat16 half log1p expm1 clamp square bitwise_and bitwise_or".split()
+        "float bfloat16 half log1p expm1 clamp square bitwise_and bitwise_or bitwise_xor bitwise_not triu tril".split()
     )
     prim_views = {prim: symbols.symbol_name(op) for prim, op in symbols._PRIM_VIEWS.items()}
     assert prim_views == {

@@ -151,6 +151,10 @@ ELEMENTWISE_OPS = (
         ltorch.square,
         ltorch.bitwise_and,
         ltorch.bitwise_or,
+        ltorch.bitwise_xor,
+        ltorch.bitwise_not,
+        ltorch.triu,
+        ltorch.tril,
     )
     | registered(torchex.ex, "bfloat16", "half")
     | frozenset({"float"})

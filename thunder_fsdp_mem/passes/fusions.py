@@ -42,12 +42,14 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, from_trace
 
+from thunder_fsdp_mem.analysis.cost import op_flops, traffic_equivalent
 from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import recompute
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
+from thunder_fsdp_mem.passes.mincut import expanding, recomputable
 from thunder_fsdp_mem.thunder_internals import update_fusion
 
 
@@ -105,7 +107,7 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tr
                 if isinstance(o, TensorProxy)
                 and (o.name in returned or any(r is not consumer for r in readers_of.get(o.name, ())))
             )
-            cut = remat.find_cut(external, p_now, c_now)
+            cut = _through_expansions(p_now, c_now, remat.find_cut(external, p_now, c_now), saved_names)
             if not cut:
                 continue
             c_new = remat.apply_rematerialization_for_consumer(p_now, c_now, cut)
@@ -121,6 +123,78 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tr
     new_fw = [updated.get(id(b), b) for b in fw]
     new_bw = [updated.get(id(b), b) for b in bw]
     return _resaved(forward, backward, new_fw, new_bw, saved)
+
+
+def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
+    """Thunder's ``cut`` of ``producer`` for ``consumer`` (or, where it has none, what ``consumer`` reads from
+    ``producer``) with each value that is cheaper to compute again than to keep replaced by what it is computed
+    from: a value larger than the values it comes from (attention's (T, T) scores and probabilities, computed by an
+    expanding matmul from the query and key the backward reads anyway; ``mincut.expanding``), whose recomputation
+    costs no more than its bytes written and read once (``cost.traffic_equivalent`` of the matmuls it runs again) and
+    adds fewer bytes to what the forward saves than it removes. Thunder's own cut never crosses a matmul; attention
+    decomposed inside one fusion (a soft-cap, a mask, a fusion executor that claims attention) keeps its (T, T)
+    tensors alive from forward to backward without this."""
+    produced = {o.name: s for s in producer.subsymbols for o in s.flat_proxy_outs}
+    inputs = {a.name for a in producer.flat_proxy_args}
+    proxies = {a.name: a for a in producer.flat_proxy_args} | {
+        o.name: o for b in producer.subsymbols for o in b.flat_proxy_outs
+    }  # Thunder's cut may name its values
+    reads = (
+        [proxies[c] if isinstance(c, str) else c for c in cut]
+        if cut
+        else [a for a in consumer.flat_proxy_args if a.name in produced or a.name in inputs]
+    )
+    held = {t.name for t in reads} | inputs | saved_names  # what the backward has without recomputing
+    replaced: set[str] = set()
+    changed = True
+    while changed:  # replacing one value can make another worth replacing (it no longer stops the walk)
+        changed = False
+        for value in reads:
+            if value.name in replaced:
+                continue
+            found = _recomputation(value, produced, stop=held - replaced - {value.name})
+            if found is not None and _worth(value, *found, held=held - replaced):
+                replaced.add(value.name)
+                changed = True
+    if not replaced:
+        return cut
+    widened = {t.name: t for t in reads if t.name not in replaced}
+    for value in reads:
+        if value.name in replaced:
+            _, frontier = _recomputation(value, produced, stop=held - replaced - {value.name})
+            widened.update((t.name, t) for t in frontier)
+    return list(widened.values())
+
+
+def _worth(value, chain: list, frontier: list, *, held: set[str]) -> bool:
+    """Whether computing ``value`` again by ``chain`` from ``frontier`` beats keeping it: the chain runs an expanding
+    matmul, costs no more than ``value``'s bytes written and read once, and the frontier adds fewer bytes than
+    ``value`` holds to what the backward reads."""
+    added = sum(nbytes(t) for t in frontier if t.name not in held)
+    price = sum(traffic_equivalent(s) for s in chain if op_flops(s)[0])
+    return any(expanding(s) for s in chain) and added < nbytes(value) and price <= 2 * nbytes(value)
+
+
+def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] | None:
+    """The symbols of a fusion region that compute ``value`` from values in ``stop`` (saved anyway, or the region's
+    inputs), and those values; None where the walk meets an op the cut may not recompute (a matmul that does not
+    expand, a random op, an in-place copy)."""
+    chain, frontier, seen, todo = [], {}, set(), [value]
+    while todo:
+        t = todo.pop()
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        if t is not value and t.name in stop or t.name not in produced:
+            frontier[t.name] = t
+            continue
+        bsym = produced[t.name]
+        if not (recomputable(bsym) or expanding(bsym)):
+            return None
+        if id(bsym) not in {id(c) for c in chain}:
+            chain.append(bsym)
+        todo.extend(a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
+    return chain, list(frontier.values())
 
 
 def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[TraceCtx, TraceCtx, int]:
