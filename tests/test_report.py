@@ -1,6 +1,9 @@
 """report: the name of a group of allocations alive at the peak (the layers' numbers as a range). The rendered
 report is checked through the CLI (tests/test_cli.py, tests/test_measure.py)."""
 
+import itertools
+import re
+
 import pytest
 
 from thunder_fsdp_mem.report import pattern_name
@@ -44,32 +47,27 @@ def report():
     return build_report(step, title="Llama-3.2-1B, 2 layers, 4096 tokens", top=10)
 
 
-@pytest.mark.parametrize("width", [80, 120, 180])
+@pytest.mark.parametrize("width", [80, 120, 180, 250])
 def test_no_figure_is_ever_cut(report, width):
     # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
-    # columns. Every figure of every row appears whole, at every width; a narrow table leaves whole columns out.
+    # columns. Every field of every row appears whole, at every width: in one table where all fit (250 columns),
+    # else in two stacked ones, joined by the row's number.
     from thunder_fsdp_mem.report import render_text, short_source
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(report, width=width)
     lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
     assert max(len(line) for line in lines) <= width
-    table = text[text.index("Largest allocations") :]
-    header = next(line for line in table.splitlines() if line.startswith("name "))
+    table = text[text.index("Largest allocations") : text.index(report.advice[0].text[:30])]
+    assert (sum(line.startswith("─") for line in table.splitlines()) == 1) == (width >= 250)
     for t in report.shown.top:
         assert format_bytes(t.nbytes) in table and format_bytes(t.total_bytes) in table and f"x{t.count}" in table
-        if "shape" in header:
-            assert "x".join(map(str, t.shape)) in table
-        if "source" in header:
-            assert short_source(t.source) in table
+        for field in ("x".join(map(str, t.shape)), t.dtype, t.category.value, t.symbol, short_source(t.source)):
+            assert re.search(rf"(?<!\S){re.escape(field)}(?!\S)", table), field
     # a name too long for its column is shortened in the middle, the one place a cell may be shortened, and never
     # into a name another row has
-    assert all("  " not in line[: line.find("…")] for line in table.splitlines() if "…" in line)
-    rows = [line for line in table.splitlines()[2:] if line.strip()]
-    names = [line[: line.find(" x")].strip() for line in rows if " x" in line]
-    assert len(set(names)) == len({t.name for t in report.shown.top}), names
-    if width >= 180:
-        assert "source" in header and "1x4096x128256" in table
+    _check_names(report.shown.top, _top_rows(table))
+    assert "1x4096x128256" in table
 
 
 def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
@@ -206,7 +204,8 @@ def test_every_figure_of_every_table_appears_whole(planned, width):
     text = render_text(planned, width=width)
     lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
     assert max(len(line) for line in lines) <= width, [line for line in lines if len(line) > width]
-    assert all("  " not in line[: line.find("…")] for line in lines if "…" in line)  # only names, in the middle
+    named = [re.sub(r"^ *\d+   ", "", line) for line in lines if "…" in line]  # after a row's number, if any
+    assert all("  " not in line[: line.find("…")] for line in named)  # only names, in the middle
     figures = {format_bytes(b) for p in planned.plans for _, _, b in summary_rows(p.step)}
     figures |= {format_bytes(b) for p in planned.plans for _, b in p.by_category}
     figures |= {format_bytes(p.reserved.peak_reserved_bytes) for p in planned.plans}
@@ -216,3 +215,42 @@ def test_every_figure_of_every_table_appears_whole(planned, width):
     missing = [f for f in figures if f not in text]
     assert missing == [], missing
     assert len(planned.rewrites) >= 8 and all(r.pass_name.split()[0] in text for r in planned.rewrites)
+
+
+SIZE = r"\d+(?:\.\d\d)? (?:B|KiB|MiB|GiB|TiB)"
+
+
+_TOP_ROW = re.compile(rf"^\s*(?:(\d+)\s{{2,}})?(\S.*?)\s{{2,}}x(\d+)\s.*?({SIZE})\s+({SIZE})(?:\s|$)")
+
+
+def _top_rows(section: str) -> list[list]:
+    """[name as shown, count, size each, total] of each row of the table that names the largest allocations (the
+    first after the caption), in order; a whole name folded onto more lines joined."""
+    lines = section.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if not line.strip():
+            break
+        match = _TOP_ROW.match(line)
+        if match:
+            rows.append([match[2], int(match[3]), match[4], match[5]])
+        else:
+            rows[-1][0] += " " + line.strip()
+    return rows
+
+
+def _check_names(top, rows: list[list]) -> None:
+    """Each row its allocation's count and sizes, its name whole or shortened in the middle (its start and end
+    kept); two rows whose full names differ never shown alike."""
+    from thunder_fsdp_mem.units import format_bytes
+
+    assert len(rows) == len(top), rows
+    for t, (shown, count, each, total) in zip(top, rows):
+        assert (count, each, total) == (t.count, format_bytes(t.nbytes), format_bytes(t.total_bytes)), shown
+        head, cut, tail = shown.partition("…")
+        whole = t.name.split() == shown.split() or t.name.replace(" ", "") == shown.replace(" ", "")
+        assert whole or (cut and "  " not in shown and t.name.startswith(head) and t.name.endswith(tail)), shown
+    for i, j in itertools.combinations(range(len(top)), 2):
+        if top[i].name != top[j].name:
+            assert rows[i][0] != rows[j][0], (top[i].name, top[j].name, rows[i][0])

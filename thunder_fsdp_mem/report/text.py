@@ -13,7 +13,7 @@ from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.report.model import Report, summary_rows
-from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_table
+from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_tables
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -58,7 +58,10 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
         "symbol and source line counted once, as in repeated layers):"
     )
-    console.print(top_table(shown.top, width))
+    for i, out in enumerate(top_tables(shown.top, width)):
+        if i:  # the second of two stacked tables: what each row is and where it was made, by its number
+            console.print()
+        console.print(out)
     console.print()
     for item in report.advice:
         console.print(item.text)
