@@ -41,7 +41,7 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     console.print()
     if report.memory_cap is not None:
         for line in _cap_lines(report):
-            console.print(line, soft_wrap=True)
+            console.print(line)
         console.print()
     by_category = table("at the peak, by category", *(p.label for p in plans))
     for category in dict.fromkeys(c for p in plans for c, _ in p.by_category):
@@ -81,8 +81,8 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
 
 
 def _reserved_cell(reserved: Reserved) -> str:
-    if reserved.out_of_memory_bytes is not None:
-        return f"out of memory ({format_bytes(reserved.peak_reserved_bytes)} reserved)"
+    if reserved.out_of_memory_bytes is not None:  # on two lines, so that two plans' fit beside the rows' names
+        return f"out of memory\n({format_bytes(reserved.peak_reserved_bytes)} reserved)"
     return format_bytes(reserved.peak_reserved_bytes)
 
 
