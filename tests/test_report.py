@@ -219,7 +219,95 @@ def test_every_figure_of_every_table_appears_whole(planned, width):
     assert len(planned.rewrites) >= 8 and all(r.pass_name.split()[0] in text for r in planned.rewrites)
 
 
+TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
+FIT_HEADERS = ("plan: the largest", "that fits (peak)", "the next (peak)")
 SIZE = r"\d+(?:\.\d\d)? (?:B|KiB|MiB|GiB|TiB)"
+
+
+@pytest.mark.parametrize(
+    "family, model, tokens",
+    [("report", "Llama-3.2-1B", 4096), ("planned", "pythia-14m", 512)],  # Llama; GPT-NeoX, with the transform
+)
+def test_at_80_columns_report_and_fit_keep_every_column_unit_and_name(family, model, tokens, request):
+    # What an 80-column terminal shows of `report` and `fit`: no line past 80 columns, every table with every column
+    # (its header there), every size with its unit, and rows whose full names differ told apart. fit's figures are
+    # the fixture's predicted peaks (its search, a step traced per candidate, is tests/test_fit.py's).
+    from litgpt.config import name_to_config
+
+    from thunder_fsdp_mem.predict.fit import Largest, StepFit, longest_for
+    from thunder_fsdp_mem.report import render_fit, render_text
+    from thunder_fsdp_mem.report.model import summary_rows
+    from thunder_fsdp_mem.units import format_bytes
+
+    report = request.getfixturevalue(family)
+    text = render_text(report, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    blocks = _header_blocks(lines)
+    labels = [p.label for p in report.plans]
+    tables = [("step", *labels), ("at the peak, by category", *labels)]
+    if report.rewrites:
+        tables.append(("pass", "pair", "outcome", "peak", "saved", "seconds"))
+    if any(r.recomputed and r.outcome.value == "applied" for r in report.rewrites):
+        tables.append(("symbol", "count", "predicted time", "source"))
+    for headers in tables:
+        assert any(all(_has_header(block, h) for h in headers) for _, block in blocks), (headers, blocks)
+    start = next(i for i, line in enumerate(lines) if line.startswith("Largest allocations"))
+    top = [line for rule, block in blocks if rule > start for line in block]  # the one table, or the two stacked
+    assert [h for h in TOP_HEADERS if not _has_header(top, h)] == [], top
+    figures = {format_bytes(b) for p in report.plans for _, _, b in summary_rows(p.step)}
+    figures |= {format_bytes(b) for p in report.plans for _, b in p.by_category}
+    figures |= {format_bytes(p.reserved.peak_reserved_bytes) for p in report.plans if p.reserved is not None}
+    for r in report.rewrites:
+        figures |= {format_bytes(b) for b in (r.peak_before, r.peak_after, r.saved_before, r.saved_after) if b}
+    assert [f for f in figures if f not in text] == []
+    _check_units(lines)
+    _check_names(report.shown.top, _top_rows("\n".join(lines[start:])))
+
+    def fit(peak: int) -> StepFit:
+        return StepFit(peak, Largest(tokens, peak, 2 * tokens, 2 * peak), Largest(1, peak, 2, 2 * peak))
+
+    fits = [(p.label, fit(p.step.peak_bytes)) for p in report.plans]
+    longest = longest_for(name_to_config[model]["block_size"], tokens)
+    text = render_fit(fits, title=report.title, block_size=tokens, micro_batch_size=1, longest=longest, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    ((_, block),) = _header_blocks(lines)
+    assert [h for h in FIT_HEADERS if not _has_header(block, h)] == [], block
+    _check_units(lines)
+    rows = _fit_rows(lines)
+    searched = ("sequence length at micro-batch 1", f"micro-batch at {tokens} tokens")
+    assert [name for name, _ in rows] == [f"{label}: {what}" for label in labels for what in searched]
+    cell = rf"\d+ (?:tokens|sequences) \({SIZE}\)"
+    assert all(len(cells) == 2 and all(re.fullmatch(cell, c) for c in cells) for _, cells in rows), rows
+
+
+def _header_blocks(lines: list[str]) -> list[tuple[int, list[str]]]:
+    """(the line of its rule, its header's lines) of each table: the lines above a rule of ─ up to a blank line or
+    a caption (a line ending in ':')."""
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.startswith("─"):
+            j = i
+            while j > 0 and lines[j - 1].strip() and not lines[j - 1].endswith(":"):
+                j -= 1
+            blocks.append((i, lines[j:i]))
+    return blocks
+
+
+def _has_header(lines: list[str], header: str) -> bool:
+    return any(re.search(rf"(?<!\S){re.escape(header)}(?!\S)", line) for line in lines)
+
+
+def _check_units(lines: list[str]) -> None:
+    """Every figure in a table's rows keeps its unit: none cut by an ellipsis, every two-decimal figure followed by
+    its unit (B to TiB, ms or us, %), but a pass's seconds, the last column of the table of what the transform did."""
+    assert not re.search(r"\d(?:\.\d*)?(?: [KMGT]?i?)?…", "\n".join(lines))
+    for rule, block in _header_blocks(lines):
+        for line in itertools.takewhile(str.strip, lines[rule + 1 :]):
+            if _has_header(block, "seconds"):
+                line = re.sub(r"\s\d+\.\d\d$", "", line)
+            assert not re.search(r"\d+\.\d\d(?! (?:B|KiB|MiB|GiB|TiB|ms|us)\b|%)", line), line
 
 
 _TOP_ROW = re.compile(rf"^\s*(?:(\d+)\s{{2,}})?(\S.*?)\s{{2,}}x(\d+)\s.*?({SIZE})\s+({SIZE})(?:\s|$)")
@@ -256,3 +344,19 @@ def _check_names(top, rows: list[list]) -> None:
     for i, j in itertools.combinations(range(len(top)), 2):
         if top[i].name != top[j].name:
             assert rows[i][0] != rows[j][0], (top[i].name, top[j].name, rows[i][0])
+
+
+def _fit_rows(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """(the plan and what was searched, its two cells) of each row of fit's table: a row's first line holds its
+    cells, the name folds onto the lines after."""
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if line.startswith("Searched"):
+            break
+        name, *cells = re.split(r"\s{3,}", line.strip())
+        if cells:
+            rows.append((name, cells))
+        else:
+            rows[-1] = (f"{rows[-1][0]} {name}", rows[-1][1])
+    return rows
