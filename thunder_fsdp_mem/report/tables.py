@@ -19,7 +19,7 @@ _FIGURES = ("#", "count", "size each", "total")  # right-aligned
 _HELD = ("#", "name", "count", "size each", "total")
 _MADE = (("shape", "dtype", "category"), ("symbol", "source", "trace name"))
 _NAME_WIDTH = 32  # the least width of the name column in one table: narrower, the tables are stacked
-_FOLD_WIDTH = 20  # the least width of the trace name on one line: narrower, the second table's rows take three
+_FOLD_WIDTH = 20  # the least width of the trace name on one line: narrower, the second table takes three a row
 GAP = 3  # between two columns: a space of padding on each side of a space of border
 
 
