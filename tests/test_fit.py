@@ -127,6 +127,7 @@ def test_at_80_columns_the_fit_table_keeps_every_plan_figure_and_unit():
         fits, title="stablecode-3b", block_size=8192, micro_batch_size=1, longest=Longest(16384, "x"), width=80
     )
     assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    assert all(line == line.rstrip() for line in text.splitlines())  # as the report's: no padding after a line
     assert text.count("without transform:") == text.count("with transform:") == 2  # each plan's two rows, named
     for cell in ("8192 tokens (71.00 GiB)", "16384 tokens (90.00 GiB)", "32768 tokens (90.00 GiB)", "2 sequences"):
         assert cell in text, cell

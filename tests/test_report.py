@@ -1,6 +1,9 @@
 """report: the name of a group of allocations alive at the peak (the layers' numbers as a range). The rendered
 report is checked through the CLI (tests/test_cli.py, tests/test_measure.py)."""
 
+import itertools
+import re
+
 import pytest
 
 from thunder_fsdp_mem.report import pattern_name
@@ -44,32 +47,27 @@ def report():
     return build_report(step, title="Llama-3.2-1B, 2 layers, 4096 tokens", top=10)
 
 
-@pytest.mark.parametrize("width", [80, 120, 180])
+@pytest.mark.parametrize("width", [80, 120, 180, 250])
 def test_no_figure_is_ever_cut(report, width):
     # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
-    # columns. Every figure of every row appears whole, at every width; a narrow table leaves whole columns out.
+    # columns. Every field of every row appears whole, at every width: in one table where all fit (250 columns),
+    # else in two stacked ones, joined by the row's number.
     from thunder_fsdp_mem.report import render_text, short_source
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(report, width=width)
     lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
     assert max(len(line) for line in lines) <= width
-    table = text[text.index("Largest allocations") :]
-    header = next(line for line in table.splitlines() if line.startswith("name "))
+    table = text[text.index("Largest allocations") : text.index(report.advice[0].text[:30])]
+    assert (sum(line.startswith("─") for line in table.splitlines()) == 1) == (width >= 250)
     for t in report.shown.top:
         assert format_bytes(t.nbytes) in table and format_bytes(t.total_bytes) in table and f"x{t.count}" in table
-        if "shape" in header:
-            assert "x".join(map(str, t.shape)) in table
-        if "source" in header:
-            assert short_source(t.source) in table
+        for field in ("x".join(map(str, t.shape)), t.dtype, t.category.value, t.symbol, short_source(t.source)):
+            assert re.search(rf"(?<!\S){re.escape(field)}(?!\S)", table), field
     # a name too long for its column is shortened in the middle, the one place a cell may be shortened, and never
     # into a name another row has
-    assert all("  " not in line[: line.find("…")] for line in table.splitlines() if "…" in line)
-    rows = [line for line in table.splitlines()[2:] if line.strip()]
-    names = [line[: line.find(" x")].strip() for line in rows if " x" in line]
-    assert len(set(names)) == len({t.name for t in report.shown.top}), names
-    if width >= 180:
-        assert "source" in header and "1x4096x128256" in table
+    _check_names(report.shown.top, _top_rows(table))
+    assert "1x4096x128256" in table
 
 
 def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
@@ -182,7 +180,8 @@ def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predic
 
 @pytest.fixture(scope="module")
 def planned():
-    # a budget's plan beside the step without the transform: three columns of figures, and every pass's record
+    # a budget's plan beside the step without the transform: three columns of figures, and every pass's record;
+    # replayed under a cap of the budget, which neither plan's peak meets (each plan's cell: out of memory)
     from thunder_fsdp_mem import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
     from thunder_fsdp_mem.report import build_report
@@ -192,8 +191,9 @@ def planned():
     baseline = trace_step(spec, mode="jit")
     budget = int(0.9 * baseline.peak_bytes)
     step, transform = plan_step(spec, MemoryConfig(memory_budget=budget), mode="jit")
+    rewrites = tuple(transform.rewrites)
     return build_report(
-        step, title="pythia-14m", baseline=baseline, rewrites=tuple(transform.rewrites), budget=budget, caching=True
+        step, title="pythia-14m", baseline=baseline, rewrites=rewrites, budget=budget, caching=True, memory_cap=budget
     )
 
 
@@ -206,7 +206,8 @@ def test_every_figure_of_every_table_appears_whole(planned, width):
     text = render_text(planned, width=width)
     lines = text.splitlines()[:-1]  # the last line, the peak, is one line whatever its length (what users grep)
     assert max(len(line) for line in lines) <= width, [line for line in lines if len(line) > width]
-    assert all("  " not in line[: line.find("…")] for line in lines if "…" in line)  # only names, in the middle
+    named = [re.sub(r"^ *\d+   ", "", line) for line in lines if "…" in line]  # after a row's number, if any
+    assert all("  " not in line[: line.find("…")] for line in named)  # only names, in the middle
     figures = {format_bytes(b) for p in planned.plans for _, _, b in summary_rows(p.step)}
     figures |= {format_bytes(b) for p in planned.plans for _, b in p.by_category}
     figures |= {format_bytes(p.reserved.peak_reserved_bytes) for p in planned.plans}
@@ -216,3 +217,146 @@ def test_every_figure_of_every_table_appears_whole(planned, width):
     missing = [f for f in figures if f not in text]
     assert missing == [], missing
     assert len(planned.rewrites) >= 8 and all(r.pass_name.split()[0] in text for r in planned.rewrites)
+
+
+TOP_HEADERS = ("name", "count", "shape", "dtype", "size each", "total", "category", "symbol", "source", "trace name")
+FIT_HEADERS = ("plan: the largest", "that fits (peak)", "the next (peak)")
+SIZE = r"\d+(?:\.\d\d)? (?:B|KiB|MiB|GiB|TiB)"
+
+
+@pytest.mark.parametrize(
+    "family, model, tokens",
+    [("report", "Llama-3.2-1B", 4096), ("planned", "pythia-14m", 512)],  # Llama; GPT-NeoX, with the transform
+)
+def test_at_80_columns_report_and_fit_keep_every_column_unit_and_name(family, model, tokens, request):
+    # What an 80-column terminal shows of `report` and `fit`: no line past 80 columns, every table with every column
+    # (its header there), every size with its unit, and rows whose full names differ told apart. fit's figures are
+    # the fixture's predicted peaks (its search, a step traced per candidate, is tests/test_fit.py's).
+    from litgpt.config import name_to_config
+
+    from thunder_fsdp_mem.predict.fit import Largest, StepFit, longest_for
+    from thunder_fsdp_mem.report import render_fit, render_text
+    from thunder_fsdp_mem.report.model import summary_rows
+    from thunder_fsdp_mem.units import format_bytes
+
+    report = request.getfixturevalue(family)
+    text = render_text(report, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    blocks = _header_blocks(lines)
+    labels = [p.label for p in report.plans]
+    tables = [("step", *labels), ("at the peak, by category", *labels)]
+    if report.rewrites:
+        tables.append(("pass", "pair", "outcome", "peak", "saved", "seconds"))
+    if any(r.recomputed and r.outcome.value == "applied" for r in report.rewrites):
+        tables.append(("symbol", "count", "predicted time", "source"))
+    for headers in tables:
+        assert any(all(_has_header(block, h) for h in headers) for _, block in blocks), (headers, blocks)
+    start = next(i for i, line in enumerate(lines) if line.startswith("Largest allocations"))
+    top = [line for rule, block in blocks if rule > start for line in block]  # the one table, or the two stacked
+    assert [h for h in TOP_HEADERS if not _has_header(top, h)] == [], top
+    figures = {format_bytes(b) for p in report.plans for _, _, b in summary_rows(p.step)}
+    figures |= {format_bytes(b) for p in report.plans for _, b in p.by_category}
+    figures |= {format_bytes(p.reserved.peak_reserved_bytes) for p in report.plans if p.reserved is not None}
+    for r in report.rewrites:
+        figures |= {format_bytes(b) for b in (r.peak_before, r.peak_after, r.saved_before, r.saved_after) if b}
+    assert [f for f in figures if f not in text] == []
+    _check_units(lines)
+    _check_names(report.shown.top, _top_rows("\n".join(lines[start:])))
+
+    def fit(peak: int) -> StepFit:
+        return StepFit(peak, Largest(tokens, peak, 2 * tokens, 2 * peak), Largest(1, peak, 2, 2 * peak))
+
+    fits = [(p.label, fit(p.step.peak_bytes)) for p in report.plans]
+    longest = longest_for(name_to_config[model]["block_size"], tokens)
+    text = render_fit(fits, title=report.title, block_size=tokens, micro_batch_size=1, longest=longest, width=80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    ((_, block),) = _header_blocks(lines)
+    assert [h for h in FIT_HEADERS if not _has_header(block, h)] == [], block
+    _check_units(lines)
+    rows = _fit_rows(lines)
+    searched = ("sequence length at micro-batch 1", f"micro-batch at {tokens} tokens")
+    assert [name for name, _ in rows] == [f"{label}: {what}" for label in labels for what in searched]
+    cell = rf"\d+ (?:tokens|sequences) \({SIZE}\)"
+    assert all(len(cells) == 2 and all(re.fullmatch(cell, c) for c in cells) for _, cells in rows), rows
+
+
+def _header_blocks(lines: list[str]) -> list[tuple[int, list[str]]]:
+    """(the line of its rule, its header's lines) of each table: the lines above a rule of ─ up to a blank line or
+    a caption (a line ending in ':')."""
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.startswith("─"):
+            j = i
+            while j > 0 and lines[j - 1].strip() and not lines[j - 1].endswith(":"):
+                j -= 1
+            blocks.append((i, lines[j:i]))
+    return blocks
+
+
+def _has_header(lines: list[str], header: str) -> bool:
+    return any(re.search(rf"(?<!\S){re.escape(header)}(?!\S)", line) for line in lines)
+
+
+def _check_units(lines: list[str]) -> None:
+    """Every figure in a table's rows keeps its unit: none cut by an ellipsis, every two-decimal figure followed by
+    its unit (B to TiB, ms or us, %), but a pass's seconds, the last column of the table of what the transform did."""
+    assert not re.search(r"\d(?:\.\d*)?(?: [KMGT]?i?)?…", "\n".join(lines))
+    for rule, block in _header_blocks(lines):
+        for line in itertools.takewhile(str.strip, lines[rule + 1 :]):
+            if _has_header(block, "seconds"):
+                line = re.sub(r"\s\d+\.\d\d$", "", line)
+            assert not re.search(r"\d+\.\d\d(?! (?:B|KiB|MiB|GiB|TiB|ms|us)\b|%)", line), line
+
+
+_TOP_ROW = re.compile(rf"^\s*(?:(\d+)\s{{2,}})?(\S.*?)\s{{2,}}x(\d+)\s.*?({SIZE})\s+({SIZE})(?:\s|$)")
+
+
+def _top_rows(section: str) -> list[list]:
+    """[name as shown, count, size each, total] of each row of the table that names the largest allocations (the
+    first after the caption), in order; a whole name folded onto more lines joined."""
+    lines = section.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if not line.strip():
+            break
+        match = _TOP_ROW.match(line)
+        if match:
+            rows.append([match[2], int(match[3]), match[4], match[5]])
+        else:
+            rows[-1][0] += " " + line.strip()
+    return rows
+
+
+def _check_names(top, rows: list[list]) -> None:
+    """Each row its allocation's count and sizes, its name whole or shortened in the middle (its start and end
+    kept); two rows whose full names differ never shown alike."""
+    from thunder_fsdp_mem.units import format_bytes
+
+    assert len(rows) == len(top), rows
+    for t, (shown, count, each, total) in zip(top, rows):
+        assert (count, each, total) == (t.count, format_bytes(t.nbytes), format_bytes(t.total_bytes)), shown
+        head, cut, tail = shown.partition("…")
+        whole = t.name.split() == shown.split() or t.name.replace(" ", "") == shown.replace(" ", "")
+        assert whole or (cut and "  " not in shown and t.name.startswith(head) and t.name.endswith(tail)), shown
+    for i, j in itertools.combinations(range(len(top)), 2):
+        if top[i].name != top[j].name:
+            assert rows[i][0] != rows[j][0], (top[i].name, top[j].name, rows[i][0])
+
+
+def _fit_rows(lines: list[str]) -> list[tuple[str, list[str]]]:
+    """(the plan and what was searched, its two cells) of each row of fit's table: a row's first line holds its
+    cells, the name folds onto the lines after."""
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    rows = []
+    for line in lines[rule + 1 :]:
+        if line.startswith("Searched"):
+            break
+        name, *cells = re.split(r"\s{3,}", line.strip())
+        if cells:
+            rows.append((name, cells))
+        else:
+            rows[-1] = (f"{rows[-1][0]} {name}", rows[-1][1])
+    return rows

@@ -53,7 +53,7 @@ def render_fit(
         f"micro-batches of 1 to {MICRO_BATCHES[-1]}, powers of two; a next of '-': the largest searched fits. "
         "The transform runs with the size as its memory budget."
     )
-    return console.file.getvalue().rstrip("\n")
+    return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip("\n").splitlines())
 
 
 def fit_json(fits: list[tuple[str, StepFit]], longest: Longest) -> dict:

@@ -13,7 +13,7 @@ from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.report.model import Report, summary_rows
-from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_table
+from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_tables
 from thunder_fsdp_mem.units import format_bytes
 
 
@@ -41,7 +41,7 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
     console.print()
     if report.memory_cap is not None:
         for line in _cap_lines(report):
-            console.print(line, soft_wrap=True)
+            console.print(line)
         console.print()
     by_category = table("at the peak, by category", *(p.label for p in plans))
     for category in dict.fromkeys(c for p in plans for c, _ in p.by_category):
@@ -58,7 +58,10 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
         f"Largest allocations alive at the peak ({shown.label}; top {len(shown.top)}; the same shape, dtype, "
         "symbol and source line counted once, as in repeated layers):"
     )
-    console.print(top_table(shown.top, width))
+    for i, out in enumerate(top_tables(shown.top, width)):
+        if i:  # the second of two stacked tables: what each row is and where it was made, by its number
+            console.print()
+        console.print(out)
     console.print()
     for item in report.advice:
         console.print(item.text)
@@ -78,8 +81,8 @@ def render_text(report: Report, *, width: int = 180, color: bool = False) -> str
 
 
 def _reserved_cell(reserved: Reserved) -> str:
-    if reserved.out_of_memory_bytes is not None:
-        return f"out of memory ({format_bytes(reserved.peak_reserved_bytes)} reserved)"
+    if reserved.out_of_memory_bytes is not None:  # on two lines, so that two plans' fit beside the rows' names
+        return f"out of memory\n({format_bytes(reserved.peak_reserved_bytes)} reserved)"
     return format_bytes(reserved.peak_reserved_bytes)
 
 
