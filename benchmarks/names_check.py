@@ -23,7 +23,7 @@ import inspect
 import os
 import sys
 
-from thunder_fsdp_mem.analysis.allocations import is_trace_name
+from thunder_fsdp_mem.analysis.timeline import is_trace_name
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict.emulate import trace_step

@@ -10,7 +10,7 @@ of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) 
 
 from __future__ import annotations
 
-from thunder_fsdp_mem.analysis.allocations import Allocation
+from thunder_fsdp_mem.analysis.timeline import Allocation
 from thunder_fsdp_mem.analysis.categories import Category
 
 LOSSES = ("cross_entropy",)

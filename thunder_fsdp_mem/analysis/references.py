@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
 
 from thunder_fsdp_mem.analysis import layout
-from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec
+from thunder_fsdp_mem.analysis.timeline import Allocation, InputSpec
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, shape
 

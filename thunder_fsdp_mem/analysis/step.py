@@ -41,7 +41,7 @@ from enum import Enum
 import torch
 import thunder
 
-from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import Allocation, InputSpec, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation, storage_key
 from thunder_fsdp_mem.thunder_internals import original_module
