@@ -3,7 +3,7 @@ rules (sizes, pools, splitting, merging, releasing under a cap), and over a pred
 
 import pytest
 
-from thunder_fsdp_mem.analysis.allocator import (
+from thunder_fsdp_mem.analysis.caching_allocator import (
     CachingAllocator,
     OutOfMemory,
     over_cap,

@@ -20,7 +20,7 @@ from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis.cost import MATMULS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import REMATERIALIZE
-from thunder_fsdp_mem.analysis.allocator import over_cap, replay_step
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap, replay_step
 from thunder_fsdp_mem.training import models
 
 

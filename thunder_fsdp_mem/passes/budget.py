@@ -7,7 +7,7 @@ config) -> Proposal``, the plan that fits ``config``'s budgets, with a warning t
 where they cannot be met (``unmet_warning``). What judges the plans, and every pass: ``estimator(config, pair)``,
 ``step.estimate_traces`` with the loss and the optimizer state a memory budget counts; with a memory cap,
 ``cap_shortfall(config)`` too: the caching allocator replayed over the step under the cap
-(``allocator.over_cap``), which a plan must pass as well as the budget, and no later pass may make worse.
+(``caching_allocator.over_cap``), which a plan must pass as well as the budget, and no later pass may make worse.
 
 ``mincut.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
 expensive ops run again (``cost.op_seconds``): each second of recomputation costs ``price`` bytes. At a high price
@@ -46,7 +46,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.allocator import over_cap
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_seconds
 from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
 from thunder_fsdp_mem.analysis.symbols import nbytes
@@ -207,7 +207,7 @@ def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] =
 
 def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
     """By how many bytes a step misses ``config.memory_cap`` when the caching allocator is replayed over it
-    (``allocator.over_cap``; 0: it runs), each step replayed once; None without a cap."""
+    (``caching_allocator.over_cap``; 0: it runs), each step replayed once; None without a cap."""
     if config.memory_cap is None:
         return None
     replayed: dict[int, tuple[StepMemory, int]] = {}  # the step is kept with its figure: its id stays its own

@@ -57,7 +57,7 @@ import warnings
 import torch
 from litgpt import GPT
 
-from thunder_fsdp_mem.analysis.allocator import over_cap
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation
 from thunder_fsdp_mem.analysis.provenance import is_head
@@ -147,9 +147,9 @@ def fit_budget(
     compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved
     tensors are alive (the loss, the first blocks' backward), so each block saves its share of the excess less
     (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step is over the budget (or,
-    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``allocator.over_cap``). Returns
-    the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform (whose
-    ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
+    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``caching_allocator.over_cap``).
+    Returns the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform
+    (whose ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
     with warnings.catch_warnings():  # the blocks' unmet saved budgets: the plan says what it reached, once
         warnings.filterwarnings("ignore", message="FSDPMemoryTransform: pass '.*' could not meet")
         return _fit_budget(spec, config, world_size=world_size, shard=shard, rounds=rounds, **options)

@@ -39,7 +39,7 @@ import torch
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.model import LossModel
 from thunder_fsdp_mem.predict import fsdp2
-from thunder_fsdp_mem.analysis.allocator import over_cap
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.training import models
 from thunder_fsdp_mem.units import format_bytes, parse_bytes
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.timeline import is_trace_name
-from thunder_fsdp_mem.analysis.allocator import Reserved, replay_step
+from thunder_fsdp_mem.analysis.caching_allocator import Reserved, replay_step
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.step import StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite

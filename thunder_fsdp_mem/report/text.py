@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 
-from thunder_fsdp_mem.analysis.allocator import Reserved
+from thunder_fsdp_mem.analysis.caching_allocator import Reserved
 from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
