@@ -200,7 +200,7 @@ def planned():
 @pytest.mark.parametrize("width", [80, 120])
 def test_every_figure_of_every_table_appears_whole(planned, width):
     from thunder_fsdp_mem.report import render_text
-    from thunder_fsdp_mem.report.model import summary_rows
+    from thunder_fsdp_mem.report.contents import summary_rows
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(planned, width=width)
