@@ -1,4 +1,4 @@
-"""The chunked linear cross-entropy (``loss.operator``, ``loss.rewrite``, ``loss.model``, ``passes.chunks``,
+"""The chunked linear cross-entropy (``loss.operator``, ``loss.rewrite``, ``loss.modules``, ``passes.chunks``,
 ``analysis.chunked_loss``): loss and every gradient against eager PyTorch on litgpt families with a soft-capped head,
 a biased head, tied weights and ignored tokens, in several uneven chunks; the trace holds no logits; what it leaves
 alone; the workspace the estimator counts against what the allocator sees; the chunk count the pass chooses.

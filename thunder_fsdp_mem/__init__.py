@@ -32,7 +32,7 @@ _WHERE = {
     "estimate_step": "thunder_fsdp_mem.analysis.step",
     "estimate_traces": "thunder_fsdp_mem.analysis.step",
     "MemoryConfig": "thunder_fsdp_mem.config",
-    "LossModel": "thunder_fsdp_mem.loss.model",
+    "LossModel": "thunder_fsdp_mem.loss.modules",
     "vectorize_window_masks": "thunder_fsdp_mem.window_mask",
     "chunked_linear_cross_entropy": "thunder_fsdp_mem.loss.function",
     "FSDPMemoryTransform": "thunder_fsdp_mem.transform",

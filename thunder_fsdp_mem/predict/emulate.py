@@ -23,7 +23,7 @@ from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.meta import as_on, fake_ranks
 from thunder_fsdp_mem.training import models, runtime

@@ -74,7 +74,7 @@ from thunder_fsdp_mem.analysis.step import (
 )
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict.fsdp2_units import (
     AUTOGRAD,
     CALLER,

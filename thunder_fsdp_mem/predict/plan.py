@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.training import models

@@ -2,8 +2,8 @@
 
 - ``eager``: the model returns logits; ``cross_entropy`` runs eagerly after it (as Thunder's
   ``benchmark_litgpt.py`` does).
-- ``trace``: the model and its loss are one module (``loss.model.LossModel``), compiled together.
-- ``liger``, ``cce``: the compiled model stops at the final norm (``loss.model.HiddenStates``); Liger-Kernel's
+- ``trace``: the model and its loss are one module (``loss.modules.LossModel``), compiled together.
+- ``liger``, ``cce``: the compiled model stops at the final norm (``loss.modules.HiddenStates``); Liger-Kernel's
   ``LigerFusedLinearCrossEntropyLoss`` or Cut Cross-Entropy's ``linear_cross_entropy`` then runs eagerly on the
   hidden states and the head's weight. These are the baselines to beat, installed with ``pip install .[bench]``;
   ``available(loss)`` says whether one is importable. Cut Cross-Entropy takes no bias on the head.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from litgpt import GPT, Config
 
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 

@@ -20,7 +20,7 @@ import thunder
 from litgpt import GPT
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import HiddenStates, LossModel
+from thunder_fsdp_mem.loss.modules import HiddenStates, LossModel
 from thunder_fsdp_mem.training import losses, models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
