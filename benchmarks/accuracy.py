@@ -62,17 +62,17 @@ def run_one(args) -> dict:
     from thunder.examine.memory_calculation import get_alloc_memory
 
     from thunder_fsdp_mem import estimate_step
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     rank = runtime.init_distributed(args.device)
-    spec = models.ModelSpec(
+    spec = litgpt_models.ModelSpec(
         name=args.model,
         n_layers=args.n_layers[0],
         block_size=args.block_size[0],
-        overrides=models.parse_overrides(args.override),
+        overrides=litgpt_models.parse_overrides(args.override),
     )
-    model = models.build(spec, dtype=models.DTYPES[args.dtype], device=rank.device)
-    idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
+    model = litgpt_models.build(spec, dtype=litgpt_models.DTYPES[args.dtype], device=rank.device)
+    idx, targets = litgpt_models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
     samples: list[tuple[int, int, int, int]] = []
     transforms = []
     if args.probe_dump:

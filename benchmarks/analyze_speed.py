@@ -14,7 +14,7 @@ import thunder
 import torch
 
 from thunder_fsdp_mem import analyze
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 def main(argv=None) -> int:
@@ -24,9 +24,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=8192)
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args(argv)
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
-    model = models.build(spec, dtype=torch.bfloat16, device="meta")
-    idx, targets = models.batch(spec, device="meta")
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    model = litgpt_models.build(spec, dtype=torch.bfloat16, device="meta")
+    idx, targets = litgpt_models.batch(spec, device="meta")
     t0 = time.perf_counter()
     jitted = thunder.jit(model)
     jitted(idx, targets).backward()

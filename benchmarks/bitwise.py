@@ -4,7 +4,7 @@
         [--n-layers 1] [--block-size 2048] [--executors default+cat|default|default+inductor|fused] [--dtype bf16|fp32]
         [--override FIELD=INT ...] [--budget-fraction 0.95] [--least-peak] [--thunderfx] [--only TEXT ...]
 
-One ``thunder.jit`` step of the litgpt model with its loss (``models.build``), then the same step with the
+One ``thunder.jit`` step of the litgpt model with its loss (``litgpt_models.build``), then the same step with the
 transform in several configurations: folded casts alone, rematerialization without folding, both without
 reordering, everything; with ``--budget-fraction`` a memory budget at that fraction of the estimated peak with
 everything (the line says whether the estimate met it); with ``--least-peak`` a budget of 1 byte, which the
@@ -27,7 +27,7 @@ from thunder.dynamo import ThunderCompiler
 
 from benchmarks.options import add_override
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 # The chunked loss changes rounding by design (``docs/accuracy.md`` gives its tolerances): off in every variant.
 EVERYTHING = "everything but the chunked loss"
@@ -44,7 +44,7 @@ VARIANTS = {
 
 
 def step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     device: str,
     config: MemoryConfig | None,
     executors: str,
@@ -53,8 +53,8 @@ def step(
 ):
     """The loss, every gradient by name, and the estimated peak of the step with AdamW's state and step (as a
     budget counts it: ``MemoryConfig.budget_optimizer``; None through ThunderFX)."""
-    model = models.build(spec, dtype=dtype, device=device)
-    idx, targets = models.batch(spec, device=device)
+    model = litgpt_models.build(spec, dtype=dtype, device=device)
+    idx, targets = litgpt_models.batch(spec, device=device)
     transforms = [FSDPMemoryTransform(config)] if config is not None else []
     if thunderfx:
         torch._dynamo.reset()
@@ -94,17 +94,17 @@ def main(argv=None) -> int:
     if args.budget_fraction is not None and args.thunderfx:
         p.error("--budget-fraction needs the step's estimate, which --thunderfx does not give; use --least-peak")
     try:
-        spec = models.ModelSpec(
+        spec = litgpt_models.ModelSpec(
             name=args.model,
             n_layers=args.n_layers,
             block_size=args.block_size,
-            overrides=models.parse_overrides(args.override),
+            overrides=litgpt_models.parse_overrides(args.override),
         )
         spec.config()
     except ValueError as e:
         p.error(str(e))
     torch.use_deterministic_algorithms(args.deterministic)
-    dtype = models.DTYPES[args.dtype]
+    dtype = litgpt_models.DTYPES[args.dtype]
     loss, grads, _ = step(spec, args.device, None, args.executors, dtype, args.thunderfx)
     print(
         f"{args.model} {spec.overrides or ''}, {args.n_layers} layers, {args.block_size} tokens, {args.dtype}, "

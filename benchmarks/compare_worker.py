@@ -74,9 +74,9 @@ def worker(args) -> int:
 def _setup(args, rank, result: dict):
     """The mode's model, optimizer and batch; compiled ahead where the compiler allows, and estimated from the
     compiled traces (so that an OOM row still says what it needed)."""
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     variant = split_variant(args.worker)
     executors = variant.executors or args.executors
     memory = MemoryConfig(**{"recompute_weight": args.recompute_weight, **variant.memory})
@@ -93,13 +93,13 @@ def _setup(args, rank, result: dict):
         rank,
         shard=args.shard,
         executors=executors,
-        dtype=models.DTYPES[args.dtype],
+        dtype=litgpt_models.DTYPES[args.dtype],
         memory=memory,
         activation_memory_budget=variant.amb,
         probe=probe,
         loss=variant.loss,
     )
-    idx, targets = models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
+    idx, targets = litgpt_models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device, seed=rank.rank)
     start = time.perf_counter()
     if trainer.precompile(idx, targets):
         result["precompile_s"] = time.perf_counter() - start
@@ -133,7 +133,7 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) 
     """FSDP2 compiles each block alone: the step's budget becomes what each block may save, as a user gets it from
     Python (``plan_fsdp2``, the prediction on the meta device); every rank finds the same."""
     from thunder_fsdp_mem import plan_fsdp2
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     return plan_fsdp2(
         spec.config(),
@@ -143,7 +143,7 @@ def _fsdp2_block_budget(args, spec, rank, executors: str, memory: MemoryConfig) 
         micro_batch_size=args.micro_batch_size,
         world_size=rank.world_size,
         shard=args.shard,
-        dtype=models.DTYPES[args.dtype],
+        dtype=litgpt_models.DTYPES[args.dtype],
         executors=executors,
         device_type=args.device,
         config=memory,

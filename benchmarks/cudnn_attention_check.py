@@ -14,7 +14,7 @@ import thunder
 import torch
 import torch.nn.functional as F
 
-from thunder_fsdp_mem.training import cudnn_attention, models, modes, runtime
+from thunder_fsdp_mem.training import cudnn_attention, litgpt_models, modes, runtime
 
 SHAPES = ((1, 32, 8192, 80), (2, 8, 512, 64), (1, 4, 256, 128))
 
@@ -46,9 +46,9 @@ def main() -> int:
             f"{shape}: on cuDNN {taken[-1]}, output equal {torch.equal(out, expected)}, gradients of q, k, v "
             f"equal {[d == 0 for d in diffs]}, largest difference {max(diffs):.3g}"
         )
-    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=2, block_size=2048)
+    spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=2, block_size=2048)
     rank = runtime.init_distributed("cuda")
-    idx, targets = models.batch(spec, device=rank.device)
+    idx, targets = litgpt_models.batch(spec, device=rank.device)
     losses = {}
     for mode, choice in (("thunder", "fused"), ("inductor", "default")):
         trainer = modes.build(mode, spec, rank, executors=choice)

@@ -89,11 +89,11 @@ def stream(vocab_size: int, tokens: int, steps: int, seed: int = SEED) -> list[l
 def worker(args) -> int:
     import torch
 
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     rank = runtime.init_distributed(args.device)
     variant = split_variant(args.worker)
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     trainer = mode_table.build(
         variant.base,
         spec,

@@ -27,13 +27,13 @@ from thunder_fsdp_mem.analysis.timeline import is_trace_name
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict.emulate import trace_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 MODELS = ("pythia-14m", "stablecode-completion-alpha-3b", "Qwen2.5-0.5B", "phi-2", "falcon-7b")
 MODES = ("jit", "thunder-fsdp", "fsdp2")
 
 
-def check(spec: models.ModelSpec, mode: str, executors: str) -> tuple[int, list[str]]:
+def check(spec: litgpt_models.ModelSpec, mode: str, executors: str) -> tuple[int, list[str]]:
     """(names checked, the names that break a rule, each with why) for one case."""
     options = {"mode": mode, "executors": executors}
     if mode != "jit":
@@ -58,7 +58,7 @@ def check(spec: models.ModelSpec, mode: str, executors: str) -> tuple[int, list[
     return len(chosen), sorted(set(wrong))
 
 
-def _broken(a, modules: dict, parameters: set[str], spec: models.ModelSpec) -> str | None:
+def _broken(a, modules: dict, parameters: set[str], spec: litgpt_models.ModelSpec) -> str | None:
     label = a.label
     if is_trace_name(label):
         return "a bare trace name"
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     total = bad = 0
     for name in args.models:
-        spec = models.ModelSpec(name=name, n_layers=args.n_layers, block_size=args.block_size)
+        spec = litgpt_models.ModelSpec(name=name, n_layers=args.n_layers, block_size=args.block_size)
         for mode in args.modes:
             for executors in args.executors:
                 try:

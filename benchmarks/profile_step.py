@@ -170,12 +170,12 @@ def worker(args) -> int:
 
     from benchmarks.variants import split_variant
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.training import models, modes, runtime
+    from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
     variant = split_variant(args.worker)
     rank = runtime.init_distributed(args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     trainer = modes.build(
         variant.base,
         spec,
@@ -184,7 +184,7 @@ def worker(args) -> int:
         memory=MemoryConfig(**variant.memory),
         activation_memory_budget=variant.amb,
     )
-    idx, targets = models.batch(spec, device=rank.device)
+    idx, targets = litgpt_models.batch(spec, device=rank.device)
     for _ in range(args.warmup):
         trainer.step(idx, targets)
     phases = defaultdict(list)

@@ -18,17 +18,17 @@ import thunder.executors.sdpaex as sdpaex
 
 from thunder_fsdp_mem.passes import casts, recompute, reorder
 from thunder_fsdp_mem.thunder_internals import sdpa_choice
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT
 from thunder_fsdp_mem.analysis.step import estimate_traces
 
 WEIGHTS = (0.0, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.2, 0.3, 1.0)
 
 
-def traces(spec: models.ModelSpec, fold: bool):
-    model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
+def traces(spec: litgpt_models.ModelSpec, fold: bool):
+    model = litgpt_models.build(spec, dtype=litgpt_models.DTYPES["bf16"], device="meta")
     jitted = thunder.jit(model)
-    jitted(*models.batch(spec, device="meta")).backward()
+    jitted(*litgpt_models.batch(spec, device="meta")).backward()
     pair = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
     return tuple(casts.fold_casts(t, device_type="cuda") for t in pair) if fold else pair
 
@@ -56,7 +56,8 @@ def main() -> int:
     args = p.parse_args()
     with sdpa_choice(lambda *a, **k: sdpaex.SpdaBackend.FLASH_ATTENTION):
         pairs = [
-            traces(models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold) for n in (1, 2)
+            traces(litgpt_models.ModelSpec(name=args.model, n_layers=n, block_size=args.block_size), args.fold)
+            for n in (1, 2)
         ]
     one, two = (figures(*pair, WEIGHTS) for pair in pairs)
     folded = "casts folded as on CUDA" if args.fold else "casts as Thunder makes them"

@@ -19,12 +19,12 @@ import torch
 from tests.configs import BY_NAME
 from tests.support import saved_bytes
 from thunder_fsdp_mem import FSDPMemoryTransform
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 def measure(spec, dtype, transforms=None) -> int:
-    model = models.build(spec, dtype=dtype)
-    idx, targets = models.batch(spec)
+    model = litgpt_models.build(spec, dtype=dtype)
+    idx, targets = litgpt_models.batch(spec)
     fn = model if transforms is None else thunder.jit(model, transforms=transforms)
     if transforms is not None:
         fn(idx, targets)  # compile first

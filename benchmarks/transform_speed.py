@@ -17,15 +17,17 @@ import time
 import thunder
 
 from thunder_fsdp_mem.predict import meta
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 
-def compile_seconds(spec: models.ModelSpec, transforms: list, device_type: str, executors: str) -> tuple[float, object]:
+def compile_seconds(
+    spec: litgpt_models.ModelSpec, transforms: list, device_type: str, executors: str
+) -> tuple[float, object]:
     chosen = runtime.executors(executors)
     with meta.as_on(device_type, chosen):
-        model = models.build(spec, dtype=models.DTYPES["bf16"], device="meta")
-        idx, targets = models.batch(spec, device="meta")
+        model = litgpt_models.build(spec, dtype=litgpt_models.DTYPES["bf16"], device="meta")
+        idx, targets = litgpt_models.batch(spec, device="meta")
         jitted = thunder.jit(model, executors=chosen, transforms=transforms)
         start = time.perf_counter()
         jitted(idx, targets).backward()
@@ -40,7 +42,7 @@ def main() -> int:
     p.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda", help="the device the traces are for")
     p.add_argument("--executors", choices=runtime.EXECUTOR_CHOICES, default="default+cat")
     args = p.parse_args()
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     plain, _ = compile_seconds(spec, [], args.device_type, args.executors)
     transform = FSDPMemoryTransform(strict=True)
     with_it, _ = compile_seconds(spec, [transform], args.device_type, args.executors)

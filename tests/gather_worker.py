@@ -21,7 +21,7 @@ from thunder_fsdp_mem import FSDPMemoryTransform, analyze
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import gathers, recompute, scatters
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 
 def _step(mode, spec, rank, shard, executors):
@@ -46,7 +46,7 @@ def _step_listed(spec, rank, shard):
 
 
 def _run(model, spec, rank):
-    idx, targets = models.batch(spec, seed=rank.rank, device=rank.device)
+    idx, targets = litgpt_models.batch(spec, seed=rank.rank, device=rank.device)
     logits = model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()

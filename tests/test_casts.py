@@ -15,7 +15,7 @@ from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes import casts
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 TORCH_OPS = {
     **UNARY_OPS,
@@ -135,9 +135,9 @@ def test_the_transform_folds_and_keeps_every_bit():
         MemoryConfig(fold_casts=False, chunk_loss=False, strict=True),
         MemoryConfig(chunk_loss=False, strict=True),
     ):
-        model = models.build(spec, dtype=torch.bfloat16)
+        model = litgpt_models.build(spec, dtype=torch.bfloat16)
         jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])
-        loss = jitted(*models.batch(spec))
+        loss = jitted(*litgpt_models.batch(spec))
         loss.backward()
         traces = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
         results.append((loss.detach(), [p.grad for p in jitted.parameters()], traces))

@@ -25,7 +25,7 @@ from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 GRADIENT_TOLERANCE = 1e-5  # of each gradient's largest element (measured: at most 5e-7, kernels of another order)
 
@@ -33,12 +33,12 @@ GRADIENT_TOLERANCE = 1e-5  # of each gradient's largest element (measured: at mo
 @pytest.mark.parametrize("family", ["neox", "llama", "gemma"])
 def test_the_default_transforms_gradients_are_eagers_in_float32(family):
     spec = dataclasses.replace(BY_NAME[family], n_layers=1)
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
     transform = FSDPMemoryTransform()
 
     def step(compiled: bool):
         torch.manual_seed(0)
-        gpt = models.build(spec, dtype=torch.float32).gpt
+        gpt = litgpt_models.build(spec, dtype=torch.float32).gpt
         if compiled:  # each block alone, as FSDP2's graph breaks leave it
             backend = ThunderCompiler(
                 executors=[upstream().cpu_attention, *runtime.executors("fused")], transforms=[transform]
@@ -77,7 +77,7 @@ def block():
 
     from thunder_fsdp_mem.predict.meta import as_on
 
-    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=256)
+    spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=256)
     chosen = runtime.executors("fused")
 
     def block_traces(fixed: bool):
@@ -86,7 +86,7 @@ def block():
             with torch.device("meta"):
                 gpt = GPT(spec.config())
             gpt = gpt.to(torch.bfloat16)
-            idx, _ = models.batch(spec, device="meta")
+            idx, _ = litgpt_models.batch(spec, device="meta")
             cos, sin = gpt.cos[:256].unsqueeze(0), gpt.sin[:256].unsqueeze(0)
             x = gpt.transformer.wte(idx).detach().requires_grad_(True)
             torch._dynamo.reset()

@@ -9,14 +9,14 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from configs import BY_NAME
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 CPU = runtime.Rank(0, 1, torch.device("cpu"))
 SPEC = dataclasses.replace(BY_NAME["llama"], n_layers=2, block_size=32)
 
 
 def test_checkpointed_blocks_compute_what_the_plain_model_computes():
-    idx, targets = models.batch(SPEC)
+    idx, targets = litgpt_models.batch(SPEC)
     plain = modes.build("eager", SPEC, CPU, dtype=torch.float32)
     checkpointed = modes.build("inductor+ckpt", SPEC, CPU, dtype=torch.float32)
     assert all(isinstance(b, CheckpointWrapper) for b in checkpointed.model._orig_mod.transformer.h)

@@ -15,7 +15,7 @@ from thunder_fsdp_mem.analysis.symbols import is_copy_into, is_fusion
 from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite, recompute
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import plan_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 def f(x, w):
@@ -106,7 +106,7 @@ def test_float32_under_thunder_fsdp_keeps_each_gradient_its_own_reduce_scatter(s
     # alike, each divided and reduce-scattered apart), traced on the meta device over 2 fake ranks. Dropping the
     # second division as a repeat reduce-scattered the first twice: the checks refused the rematerialization, and
     # under ZeRO3 the all-gathers after it.
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=64)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=64)
     options = dict(mode="thunder-fsdp", shard=shard, world_size=2, device_type="cpu", dtype=torch.float32)
     _, transform = plan_step(spec, MemoryConfig(strict=True), **options)  # strict: a refusal raises
     done = {r.pass_name: r.outcome for r in transform.rewrites}

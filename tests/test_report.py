@@ -38,9 +38,9 @@ def test_pattern_name(names, expected):
 def report():
     from thunder_fsdp_mem.predict.emulate import trace_step
     from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    step = trace_step(models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
+    step = trace_step(litgpt_models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
     return build_report(step, title="Llama-3.2-1B, 2 layers, 4096 tokens", top=10)
 
 
@@ -104,9 +104,9 @@ def test_the_optimizer_state_is_named_alike_in_every_mode():
     from thunder_fsdp_mem.analysis.categories import Category
     from thunder_fsdp_mem.predict.emulate import trace_step
     from thunder_fsdp_mem.predict.fsdp2 import compose_step
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
 
     def state(step):
         return {
@@ -128,9 +128,9 @@ def two_plans():
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
     from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
     without = trace_step(spec, mode="jit", device_type="cpu")
     with_it, _ = plan_step(spec, MemoryConfig(), mode="jit", device_type="cpu")
     return build_report(with_it, title="pythia-14m", baseline=without)
@@ -186,9 +186,9 @@ def planned():
     from thunder_fsdp_mem import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
     from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=2, block_size=512)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=2, block_size=512)
     baseline = trace_step(spec, mode="jit")
     budget = int(0.9 * baseline.peak_bytes)
     step, transform = plan_step(spec, MemoryConfig(memory_budget=budget), mode="jit")

@@ -45,9 +45,9 @@ def run_report(args) -> int:
     budget), measured beside where asked; prints the report and writes its JSON, plot and snapshots."""
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
     cap = args.memory_cap if args.memory_budget is not None else None
     plans = [None]
@@ -108,9 +108,9 @@ def run_fit(args) -> int:
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.fit import fit_step, longest_for
     from thunder_fsdp_mem.report import fit_json, render_fit
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
     longest = longest_for(name_to_config[args.model].get("block_size"), args.block_size)
     fits = []
@@ -166,14 +166,14 @@ def run_fit(args) -> int:
 
 def _step_options(args) -> dict[str, object]:
     """``emulate.trace_step``'s options (but the micro-batch, which the fit search varies) from the command line."""
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     return dict(
         mode=args.mode,
         shard=args.shard,
         world_size=args.world_size,
         device_type=args.device,
-        dtype=models.DTYPES[args.dtype],
+        dtype=litgpt_models.DTYPES[args.dtype],
         executors=args.executors,
         **({"loss": args.loss} if args.loss != "eager" else {}),
     )
@@ -207,7 +207,7 @@ def _measure(args, spec, memory):
     import torch.distributed as dist
 
     from thunder_fsdp_mem.predict.measure import gather, measure_step
-    from thunder_fsdp_mem.training import models, runtime
+    from thunder_fsdp_mem.training import litgpt_models, runtime
 
     rank = runtime.init_distributed(args.device)
     try:
@@ -217,7 +217,7 @@ def _measure(args, spec, memory):
             mode=args.mode,
             shard=args.shard,
             executors=args.executors,
-            dtype=models.DTYPES[args.dtype],
+            dtype=litgpt_models.DTYPES[args.dtype],
             micro_batch_size=args.micro_batch_size,
             memory=memory,
             snapshot=bool(args.snapshot),

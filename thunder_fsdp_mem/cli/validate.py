@@ -165,9 +165,9 @@ def _check_model(args) -> None:
         )
     if args.mode == "fsdp2":
         from thunder_fsdp_mem.predict import fsdp2
-        from thunder_fsdp_mem.training import models
+        from thunder_fsdp_mem.training import litgpt_models
 
-        config = models.ModelSpec(name=args.model, block_size=args.block_size).config()
+        config = litgpt_models.ModelSpec(name=args.model, block_size=args.block_size).config()
         refused = fsdp2.unsupported(config, getattr(args, "loss", "eager"))
         if refused:
             raise UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode thunder-fsdp")

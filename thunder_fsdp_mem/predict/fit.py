@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 SHORTEST = 256  # the first sequence length tried
 LONGEST = 2**20
@@ -95,7 +95,7 @@ def sequence_lengths(longest: int) -> tuple[int, ...]:
 
 
 def fit_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     capacity: int,
     *,
     config: MemoryConfig | None = None,

@@ -91,7 +91,7 @@ from thunder_fsdp_mem.predict.fsdp2_units import (
 )
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks, trace_tail
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
@@ -99,7 +99,7 @@ LOSSES = ("eager", "trace")
 
 
 def compose_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     *,
     world_size: int,
     shard: str,
@@ -131,7 +131,7 @@ def compose_step(
         with torch.device("meta"):
             gpt = GPT(config)
         gpt = gpt.to(dtype)
-        idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
+        idx, targets = litgpt_models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
         tail = None
         if loss == "trace":
@@ -141,7 +141,7 @@ def compose_step(
 
 
 def fit_budget(
-    spec: models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3, **options
+    spec: litgpt_models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3, **options
 ) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
     """``config.memory_budget``, a per-rank budget for the whole step, turned into what each block may save: FSDP2
     compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved

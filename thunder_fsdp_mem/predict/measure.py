@@ -28,7 +28,7 @@ import torch.distributed as dist
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
 from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 WARMUP = 2
 # The report's mode, with or without FSDPMemoryTransform -> the set-up ``modes.build`` makes.
@@ -84,7 +84,7 @@ class Measurement:
 
 
 def measure_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     rank: runtime.Rank,
     *,
     mode: str,
@@ -117,7 +117,7 @@ def measure_step(
         loss=loss,
         **configured,
     )
-    idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
+    idx, targets = litgpt_models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
     for _ in range(WARMUP):
         trainer.step(idx, targets)
     best = None

@@ -40,7 +40,7 @@ from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.analysis.caching_allocator import over_cap
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 from thunder_fsdp_mem.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def plan_fsdp2(
     }
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
-    spec = models.ModelSpec.from_config(litgpt_config, block_size=tokens)
+    spec = litgpt_models.ModelSpec.from_config(litgpt_config, block_size=tokens)
     wanted = dataclasses.replace(base, memory_budget=budget, memory_cap=cap, saved_budget=None)
     step, planned, _ = fsdp2.fit_budget(spec, wanted, **options)
     short = over_cap(step, cap) if cap is not None else 0
@@ -189,6 +189,6 @@ def _dtype(gpt) -> torch.dtype:
             "MixedPrecisionPolicy) are not modelled; keep the parameters in the dtype they are "
             "computed in"
         )
-    if dtype not in models.DTYPES.values():
+    if dtype not in litgpt_models.DTYPES.values():
         raise NotImplementedError(f"plan_fsdp2: parameters in {dtype} are not modelled")
     return dtype

@@ -21,7 +21,7 @@ from litgpt import GPT
 
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.modules import HiddenStates, LossModel
-from thunder_fsdp_mem.training import losses, models, runtime
+from thunder_fsdp_mem.training import litgpt_models, losses, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
@@ -121,7 +121,7 @@ class Trainer:
 
 def build(
     mode: str,
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     rank: runtime.Rank,
     *,
     shard: str = "zero2",
@@ -193,7 +193,7 @@ def _cpu_inductor() -> None:
     torch._inductor.config.compile_threads = 1
 
 
-def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
+def _gpt(spec: litgpt_models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(rank.device):
         gpt = GPT(spec.config())
