@@ -1,5 +1,5 @@
-"""predict.fit: the bisection over candidate sizes against hand-made peaks, and ``report --fit`` on a small model:
-what it calls the largest fits and the next does not, each figure the one ``report`` predicts for that size; the
+"""predict.largest_step: the bisection over candidate sizes against hand-made peaks, and ``report --fit`` on a small
+model: what it calls the largest fits and the next does not, each figure the one ``report`` predicts for that size; the
 ``fit`` command prints and writes the same, and ``report --fit`` says once, in one line, that it is deprecated."""
 
 import contextlib
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from thunder_fsdp_mem.cli import main
-from thunder_fsdp_mem.predict.fit import Largest, largest, sequence_lengths
+from thunder_fsdp_mem.predict.largest_step import Largest, largest, sequence_lengths
 
 PEAKS = {256: 10, 512: 20, 1024: 40, 2048: 80, 4096: 160, 8192: 320, 16384: 640}
 
@@ -41,7 +41,7 @@ def test_sequence_lengths_are_powers_of_two_up_to_the_longest():
 
 
 def test_the_longest_length_searched_and_why():
-    from thunder_fsdp_mem.predict.fit import LONGEST, Longest, longest_for
+    from thunder_fsdp_mem.predict.largest_step import LONGEST, Longest, longest_for
 
     assert longest_for(2048, 512) == Longest(2048, "the model's configured block size")
     assert longest_for(2048, 5000) == Longest(4096, "--block-size")
@@ -112,7 +112,7 @@ def test_the_fit_command_gives_what_report_fit_gives(report_fit, tmp_path, capsy
 
 
 def test_at_80_columns_the_fit_table_keeps_every_plan_figure_and_unit():
-    from thunder_fsdp_mem.predict.fit import Largest, Longest, StepFit
+    from thunder_fsdp_mem.predict.largest_step import Largest, Longest, StepFit
     from thunder_fsdp_mem.report.fit import render_fit
 
     def fit(tokens, micro_batch):

@@ -1,10 +1,10 @@
 """The commands of ``thunder-fsdp-mem``: ``main(argv=None) -> int`` parses the command line (``parser``), checks it
 (``validate``) and runs ``report`` (``run_report``: one step traced on the meta device, planned with the transform
-and measured where asked, its report printed and written), ``fit`` (``run_fit``: ``predict.fit``'s search for
-the largest step that fits, without the transform and with it) or ``run`` (``thunder_fsdp_mem.run``: a program
-run with the transform injected, which reads its own command line). It returns the exit code: user errors print one
-line to stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that
-``--help`` and usage errors answer at once."""
+and measured where asked, its report printed and written), ``fit`` (``run_fit``: ``predict.largest_step``'s search for
+the largest step that fits, without the transform and with it) or ``run`` (``thunder_fsdp_mem.run``: a program run with
+the transform injected, which reads its own command line). It returns the exit code: user errors print one line to
+stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that ``--help`` and usage
+errors answer at once."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def run_fit(args) -> int:
     from litgpt.config import name_to_config
 
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.predict.fit import fit_step, longest_for
+    from thunder_fsdp_mem.predict.largest_step import fit_step, longest_for
     from thunder_fsdp_mem.report import fit_json, render_fit
     from thunder_fsdp_mem.training import litgpt_models
 

@@ -3,7 +3,7 @@
 ``build_report(step, title=...) -> Report`` (``contents``) computes the plans, their largest allocation groups at the
 peak and the ``advice`` on what would lower it; ``render_text`` (``text``), ``render_json`` (``as_json``) and
 ``render_plot``/``plot_figure`` (``plot``) render it. ``render_fit`` and ``fit_json`` (``fit``) present the search
-of ``predict.fit`` for the largest step that fits.
+of ``predict.largest_step`` for the largest step that fits.
 """
 
 from thunder_fsdp_mem.report.advice import ADVICE_SHARE, Advice, advice

@@ -1,5 +1,5 @@
 """The largest step that fits, as the ``fit`` command shows it: ``render_fit(fits, title=...) -> str`` (a rich
-table, one row per plan) and ``fit_json(fits) -> dict``. The search itself is ``predict.fit.fit_step``; this
+table, one row per plan) and ``fit_json(fits) -> dict``. The search itself is ``predict.largest_step.fit_step``; this
 module only presents its ``StepFit`` results."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 
-from thunder_fsdp_mem.predict.fit import MICRO_BATCHES, SHORTEST, Longest, StepFit
+from thunder_fsdp_mem.predict.largest_step import MICRO_BATCHES, SHORTEST, Longest, StepFit
 from thunder_fsdp_mem.report.tables import table
 from thunder_fsdp_mem.units import format_bytes
 
