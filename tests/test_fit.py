@@ -113,7 +113,7 @@ def test_the_fit_command_gives_what_report_fit_gives(report_fit, tmp_path, capsy
 
 def test_at_80_columns_the_fit_table_keeps_every_plan_figure_and_unit():
     from thunder_fsdp_mem.predict.largest_step import Largest, Longest, StepFit
-    from thunder_fsdp_mem.report.fit import render_fit
+    from thunder_fsdp_mem.report.fit_table import render_fit
 
     def fit(tokens, micro_batch):
         return StepFit(

@@ -2,13 +2,13 @@
 
 ``build_report(step, title=...) -> Report`` (``contents``) computes the plans, their largest allocation groups at the
 peak and the ``advice`` on what would lower it; ``render_text`` (``text``), ``render_json`` (``as_json``) and
-``render_plot``/``plot_figure`` (``plot``) render it. ``render_fit`` and ``fit_json`` (``fit``) present the search
+``render_plot``/``plot_figure`` (``plot``) render it. ``render_fit`` and ``fit_json`` (``fit_table``) present the search
 of ``predict.largest_step`` for the largest step that fits.
 """
 
 from thunder_fsdp_mem.report.advice import ADVICE_SHARE, Advice, advice
 from thunder_fsdp_mem.report.as_json import render_json
-from thunder_fsdp_mem.report.fit import fit_json, render_fit
+from thunder_fsdp_mem.report.fit_table import fit_json, render_fit
 from thunder_fsdp_mem.report.contents import (
     VERSIONED,
     Plan,
