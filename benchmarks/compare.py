@@ -186,15 +186,17 @@ def validate(args) -> list[str]:
 
 def _installed(chosen: list[str]) -> list[str]:
     """The modes whose loss can run here; one line for each left out (an external loss not installed)."""
-    from thunder_fsdp_mem.training import losses
+    from thunder_fsdp_mem.training import loss_placement
 
     kept = []
     for mode in chosen:
         loss = split_variant(mode).loss
-        if losses.available(loss):
+        if loss_placement.available(loss):
             kept.append(mode)
         else:
-            print(f"compare.py: skipped {mode}: {losses.EXTERNAL[loss]} is not installed (pip install .[bench])")
+            print(
+                f"compare.py: skipped {mode}: {loss_placement.EXTERNAL[loss]} is not installed (pip install .[bench])"
+            )
     return kept
 
 

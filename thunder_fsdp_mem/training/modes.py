@@ -2,8 +2,8 @@
 
 ``build(mode, spec, rank, ...) -> Trainer`` gives a model ready for ``Trainer.step(idx, targets)`` (forward,
 cross-entropy loss, backward, AdamW step, ``zero_grad``). The loss is computed eagerly on the logits as Thunder's
-``benchmark_litgpt.py`` does, or, as ``loss`` says (``losses.LOSSES``), compiled with the model or by an external
-fused loss after it. The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
+``benchmark_litgpt.py`` does, or, as ``loss`` says (``loss_placement.LOSSES``), compiled with the model or by an
+external fused loss after it. The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
 ``ln_f``, then the root (``shard_fsdp2``), computed in the parameters' dtype; ``reshard_after_forward`` is on for zero3.
 ``inductor+ckpt`` is torch.compile with every Block under activation checkpointing (``checkpoint_wrapper``,
 non-reentrant), the least memory torch offers; torch.compile's modes take ``activation_memory_budget``, its
@@ -21,7 +21,7 @@ from litgpt import GPT
 
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.modules import HiddenStates, LossModel
-from thunder_fsdp_mem.training import litgpt_models, losses, runtime
+from thunder_fsdp_mem.training import litgpt_models, loss_placement, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
@@ -73,7 +73,7 @@ class Trainer:
     jitted: torch.nn.Module | None = None
     backend: object | None = None
     transform: object | None = None  # the FSDPMemoryTransform of a +mem mode
-    loss: str = "eager"  # where the step computes its loss (``losses.LOSSES``)
+    loss: str = "eager"  # where the step computes its loss (``loss_placement.LOSSES``)
 
     def precompile(self, idx: torch.Tensor, targets: torch.Tensor) -> bool:
         """Compile for ``idx`` without running anything on the device, where the compiler can: ``thunder.jit``
@@ -135,12 +135,12 @@ def build(
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
-    ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss;
+    ``loss``: where the step computes its loss (``loss_placement.LOSSES``): ``trace`` compiles the model with its loss;
     ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run
     that fused loss after it."""
-    if loss not in losses.LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(losses.LOSSES)}, got {loss!r}")
-    if loss in losses.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+    if loss not in loss_placement.LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(loss_placement.LOSSES)}, got {loss!r}")
+    if loss in loss_placement.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
         raise ValueError(f"mode {mode} shards the head's weight where an external loss cannot gather it")
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
@@ -213,7 +213,7 @@ def _with_loss(gpt: GPT, loss: str, compile_body: Callable[[torch.nn.Module], to
     if loss == "trace":
         compiled = compile_body(LossModel(gpt))
         return compiled, compiled
-    model = losses.ExternalLoss(gpt, loss)
+    model = loss_placement.ExternalLoss(gpt, loss)
     model.set_body(compile_body(HiddenStates(gpt)))
     return model, model.body
 
@@ -236,8 +236,8 @@ def shard_fsdp2(gpt: GPT, shard: str, root: torch.nn.Module | None = None) -> to
     """``fully_shard`` on each Block, ``lm_head``, ``wte``, ``ln_f`` and the root, as ``benchmark_litgpt.py`` wraps
     a litgpt model; ``shard``: zero2, or zero3 (``reshard_after_forward``). The parameters are computed in the dtype
     they are in (bf16 in every benchmark: the ``MixedPrecisionPolicy`` casts nothing then). ``root``: a module
-    holding ``gpt`` and its loss (``LossModel``, ``losses.ExternalLoss``), the root unit then, which keeps the head
-    (no unit of its own, whose hooks would break Dynamo's graph between the head and the loss) and, where the
+    holding ``gpt`` and its loss (``LossModel``, ``loss_placement.ExternalLoss``), the root unit then, which keeps the
+    head (no unit of its own, whose hooks would break Dynamo's graph between the head and the loss) and, where the
     embedding shares the head's weight, the embedding. Returns the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -281,7 +281,7 @@ def _fsdp2(mode, spec, rank, shard, dtype, loss, *, compiler) -> Trainer:
         root = shard_fsdp2(gpt, shard, LossModel(gpt))
         model = compile_body(root)
     else:
-        root = model = shard_fsdp2(gpt, shard, losses.ExternalLoss(gpt, loss))
+        root = model = shard_fsdp2(gpt, shard, loss_placement.ExternalLoss(gpt, loss))
         model.set_body(compile_body(HiddenStates(gpt)))
     return Trainer(mode, model, _adamw(root), backend=backend, transform=transform, loss=loss)
 
