@@ -1,5 +1,5 @@
 """Saved bytes against recomputation traffic, per layer, for several ``recompute_weight`` values: the plan's own
-figures (``recompute.plan_saved``) on a litgpt model traced on the meta device, no GPU and no memory needed.
+figures (``mincut.plan_saved``) on a litgpt model traced on the meta device, no GPU and no memory needed.
 
     python -m benchmarks.recompute_tradeoff --model stablecode-completion-alpha-3b --block-size 8192 [--no-fold]
 
@@ -16,7 +16,7 @@ import argparse
 import thunder
 import thunder.executors.sdpaex as sdpaex
 
-from thunder_fsdp_mem.passes import casts, recompute, reorder
+from thunder_fsdp_mem.passes import casts, mincut, plan_rewrite, reorder
 from thunder_fsdp_mem.thunder_internals import sdpa_choice
 from thunder_fsdp_mem.training import litgpt_models
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT
@@ -35,10 +35,10 @@ def traces(spec: litgpt_models.ModelSpec, fold: bool):
 
 def figures(forward, backward, weights) -> dict:
     """{weight or None (no transform): (saved bytes, estimated peak bytes, traffic bytes)}"""
-    out = {None: (recompute.plan_saved(forward).before_bytes, estimate_traces(forward, backward).peak_bytes, 0)}
+    out = {None: (mincut.plan_saved(forward).before_bytes, estimate_traces(forward, backward).peak_bytes, 0)}
     for w in weights:
-        plan = recompute.plan_saved(forward, recompute_weight=w)
-        new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
+        plan = mincut.plan_saved(forward, recompute_weight=w)
+        new_forward, new_backward = plan_rewrite.apply_plan(forward, backward, plan)
         out[w] = (plan.after_bytes, estimate_traces(new_forward, new_backward).peak_bytes, plan.traffic_bytes)
     return out
 
@@ -70,8 +70,8 @@ def main() -> int:
             f"{traffic / 1e9:.2f} GB |"
         )
     forward, backward = pairs[1]
-    forward, backward = recompute.apply_plan(
-        forward, backward, recompute.plan_saved(forward, recompute_weight=DEFAULT_RECOMPUTE_WEIGHT)
+    forward, backward = plan_rewrite.apply_plan(
+        forward, backward, mincut.plan_saved(forward, recompute_weight=DEFAULT_RECOMPUTE_WEIGHT)
     )
     before = estimate_traces(forward, backward).peak_bytes
     new_forward, new_backward, (won_forward, won_backward) = reorder.reorder_pair(forward, backward)

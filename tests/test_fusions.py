@@ -23,7 +23,7 @@ from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import fusions, recompute
+from thunder_fsdp_mem.passes import fusions, mincut, plan_rewrite
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
 from thunder_fsdp_mem.training import litgpt_models, runtime
 
@@ -107,11 +107,11 @@ def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(block):
     spec, chosen, forward, backward, (meant, _) = block
     with as_on("cuda", chosen):
         new_forward, new_backward, less = fusions.into_consumers(forward, backward)
-    saved = recompute.saved_tensors(new_forward)
-    assert less > 0 and sum(nbytes(t) for t in saved) == sum(nbytes(t) for t in recompute.saved_tensors(meant))
+    saved = mincut.saved_tensors(new_forward)
+    assert less > 0 and sum(nbytes(t) for t in saved) == sum(nbytes(t) for t in mincut.saved_tensors(meant))
     T = spec.block_size
     assert not [t.name for t in saved if t.dtype == thunder.dtypes.float32 and t.numel() > T * 32]  # lse: (1, 32, T)
-    assert recompute.received(new_backward) == [t.name for t in saved]
+    assert plan_rewrite.received(new_backward) == [t.name for t in saved]
 
 
 def test_on_a_fixed_thunders_block_as_on_cuda_the_pass_moves_nothing(block):
