@@ -11,7 +11,7 @@ import torch
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.step import Stage
+from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.analysis.caching_allocator import over_cap, replay_step
 from thunder_fsdp_mem.training import litgpt_models

@@ -76,7 +76,7 @@ def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
     # Worked out by hand: the eager cross-entropy holds its log_softmax, the nll_loss gradient and the logits'
     # gradient, each the logits' size (1 x 4096 x 128256 bf16); without them the loss phase is that much lower, and
     # the peak falls to whichever phase is then highest.
-    from thunder_fsdp_mem.analysis.step import Stage
+    from thunder_fsdp_mem.analysis.phases import Stage
     from thunder_fsdp_mem.report import render_text
 
     step = report.shown.step
@@ -168,7 +168,7 @@ def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predic
     # that scaled while lm_head's denominator, the parameter before it, is still bound: three bf16 tensors of
     # 50304 x 128, beside the parameters, gradients and state. Without them the peak falls to the next highest
     # phase at most.
-    from thunder_fsdp_mem.analysis.step import Stage
+    from thunder_fsdp_mem.analysis.phases import Stage
     from thunder_fsdp_mem.report import build_report
 
     _, step = predicted_step

@@ -9,7 +9,8 @@ import torch
 from configs import BY_NAME
 from support import memtracker_peak
 from thunder_fsdp_mem import estimate_step
-from thunder_fsdp_mem.analysis.step import anticipated_adamw, anticipated_adamw_step, estimate_traces
+from thunder_fsdp_mem.analysis.optimizer import anticipated_adamw, anticipated_adamw_step
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.training import litgpt_models
 
 TOLERANCE = 0.03

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.analysis.phases import StepMemory
 from thunder_fsdp_mem.analysis.snapshot import ALIGNMENT as MIN_BLOCK
 from thunder_fsdp_mem.analysis.snapshot import aligned as rounded
 from thunder_fsdp_mem.analysis.snapshot import replay

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation
-from thunder_fsdp_mem.analysis.step import Phase, StepMemory
+from thunder_fsdp_mem.analysis.phases import Phase, StepMemory
 
 BASE_ADDRESS = 0x7F0000000000
 ALIGNMENT = 512

@@ -27,9 +27,6 @@ holds (``modes.Trainer.step`` holds the logits until it returns), and the step's
 
 The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them on CPU and
 ``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding).
-
-The names other modules import from here (``StepMemory``, ``Holdings``, ``adam_state``...) are re-exported from
-the modules that define them: ``phases``, ``holdings``, ``optimizer``, ``eager_loss``.
 """
 
 from __future__ import annotations
@@ -47,42 +44,11 @@ from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held
 from thunder_fsdp_mem.thunder_internals import original_module
 from thunder_fsdp_mem.analysis.liveness import analyze
 from thunder_fsdp_mem.analysis.eager_loss import check_loss, loss_allocations
-from thunder_fsdp_mem.analysis.optimizer import (
-    adam_state,
-    adam_step_allocation,
-    adam_step_bytes,
-    anticipated_adamw,
-    anticipated_adamw_step,
-    optimizer_state,
-    optimizer_step_allocation,
-    parameter_order,
-)
+from thunder_fsdp_mem.analysis.optimizer import optimizer_state, optimizer_step_allocation
 from thunder_fsdp_mem.analysis.provenance import Scopes, backward_names, scopes_of
-from thunder_fsdp_mem.analysis.phases import Phase, Stage, StepMemory, Timeline, step_memory
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
 
-__all__ = [  # what other modules import from here, wherever it is defined
-    "DEVICE_TYPES",
-    "Holder",
-    "Holdings",
-    "Key",
-    "Phase",
-    "Role",
-    "Stage",
-    "StepMemory",
-    "Timeline",
-    "adam_state",
-    "adam_step_allocation",
-    "adam_step_bytes",
-    "anticipated_adamw",
-    "anticipated_adamw_step",
-    "estimate_step",
-    "estimate_traces",
-    "held_allocation",
-    "loss_allocations",
-    "parameter_order",
-    "step_memory",
-]
 
 DEVICE_TYPES = ("cuda", "cpu")
 

@@ -48,7 +48,9 @@ from thunder.core.trace import TraceCtx
 
 from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_seconds
-from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
+from thunder_fsdp_mem.analysis.optimizer import anticipated_adamw, anticipated_adamw_step
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Proposal, Recomputed
@@ -190,8 +192,8 @@ def _without_the_dearest(
 def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] = ()) -> Estimator:
     """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
     loss the caller computes on the forward's output (where that output is not a scalar already), the optimizer
-    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``, the parameters
-    stepped in ``parameter_order``, the model's: ``step.parameter_order``)."""
+    state (``optimizer.anticipated_adamw``) and the optimizer's step (``optimizer.anticipated_adamw_step``, the
+    parameters stepped in ``parameter_order``, the model's: ``optimizer.parameter_order``)."""
     if config.memory_budget is None:
         return estimate_traces
     adamw = config.budget_optimizer == "adamw"

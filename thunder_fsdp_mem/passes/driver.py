@@ -32,7 +32,8 @@ from enum import Enum
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.step import StepMemory, estimate_traces
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes.checks import CheckError, check_rewrite
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ import torch
 import thunder
 from litgpt import GPT
 
-from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_step
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2

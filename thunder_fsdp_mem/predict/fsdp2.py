@@ -30,14 +30,14 @@ How such a step runs, and how it is composed here:
     bytes); the reduce-scatter's output, the sharded gradient, is allocated and kept, and only then are the
     unsharded gradients freed (``foreach_reduce`` clears its list, but the parameters' ``grad`` still hold them);
     the input is freed when the next unit's reduce-scatter starts (the last at the end of the backward).
-- The caller holds the logits until ``backward`` returns; the loss is ``step.loss_allocations``.
+- The caller holds the logits until ``backward`` returns; the loss is ``eager_loss.loss_allocations``.
 - With the loss in the step, the root's pre-forward gathers the head's weight before any other unit and FSDP2
   keeps a root gathered through the backward; after ``ln_f`` the head, its soft-cap and the loss are one ThunderFX
   graph (``thunderfx.trace_tail``, which the transform chunks), whose backward runs first; the root's gradients
   are reduce-scattered last, in FSDP2's final callback (the root's input, the token ids, takes no gradient to hook).
 
-What each unit, FSDP2, autograd and the caller hold is kept in ``step.Holdings``, the same ledger ``estimate_step``
-composes its step with, and the step is ``step.step_memory`` of its phases. ``_compose`` walks the step: the
+What each unit, FSDP2, autograd and the caller hold is kept in ``holdings.Holdings``, the same ledger ``estimate_step``
+composes its step with, and the step is ``phases.step_memory`` of its phases. ``_compose`` walks the step: the
 persistent state, each unit's forward (``_Forward``) between FSDP2's gathers, the loss, each unit's backward
 (``_Backward``) between FSDP2's gathers and reduce-scatters, the optimizer's step. The units, what the ledger holds
 and FSDP2's own collectives are ``fsdp2_units``'.
@@ -61,17 +61,10 @@ from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import Allocation
 from thunder_fsdp_mem.analysis.provenance import is_head
-from thunder_fsdp_mem.analysis.step import (
-    Holder,
-    Holdings,
-    Key,
-    Role,
-    Stage,
-    StepMemory,
-    adam_step_allocation,
-    loss_allocations,
-    step_memory,
-)
+from thunder_fsdp_mem.analysis.eager_loss import loss_allocations
+from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role
+from thunder_fsdp_mem.analysis.optimizer import adam_step_allocation
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.modules import LossModel
@@ -230,7 +223,7 @@ def _loss(ledger: Holdings, logits_key: Key) -> None:
 
 def _optimizer_step(ledger: Holdings, model_units: list[Unit], gpt, device_type: str) -> None:
     """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
-    (``step.adam_step_bytes``); the caller still holds the logits."""
+    (``optimizer.adam_step_bytes``); the caller still holds the logits."""
     kind = "foreach" if device_type == "cuda" else "single tensor"
     shards = {f"{unit.path}.{name}": shard for unit in model_units for name, shard in unit.shards.items()}
     sizes = [(shards[q].nbytes, shards[q].dtype) for q, _ in gpt.named_parameters() if q in shards]

@@ -11,7 +11,7 @@ buffers its code in torch 2.11 holds, for as long as it holds them (``fsdp2``'s 
 prefetching the unit that runs next), ``post_backward`` (reshard, then the reduce-scatter into the gradient shard),
 ``forward_done`` and ``backward_done`` (the last buffers of each).
 
-What the ledger (``step.Holdings``) holds is named by ``Held``; its holders are ``MODEL``, ``CALLER``, ``FSDP2`` and
+What the ledger (``holdings.Holdings``) holds is named by ``Held``; its holders are ``MODEL``, ``CALLER``, ``FSDP2`` and
 ``AUTOGRAD``; ``record``, ``tensor_record`` and ``renamed`` make its allocations. ``hold_persistent`` holds what
 the step holds throughout: the shards, their AdamW moments, the model's buffers, the step's inputs.
 """
@@ -28,7 +28,9 @@ from litgpt.model import Block
 
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation, MemoryTimeline
-from thunder_fsdp_mem.analysis.step import Holder, Holdings, Key, Role, Stage, adam_state, held_allocation
+from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation
+from thunder_fsdp_mem.analysis.optimizer import adam_state
+from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.analysis.phases import StepMemory
 from thunder_fsdp_mem.report.contents import Plan, Report, summary_rows
 
 

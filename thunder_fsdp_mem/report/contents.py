@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from thunder_fsdp_mem.analysis.timeline import is_trace_name
 from thunder_fsdp_mem.analysis.caching_allocator import Reserved, replay_step
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.step import StepMemory
+from thunder_fsdp_mem.analysis.phases import StepMemory
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
 from thunder_fsdp_mem.report.advice import Advice, advice, bytes_by_category
