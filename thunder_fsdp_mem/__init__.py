@@ -24,11 +24,11 @@ versions.check()  # one line where torch, lightning-thunder or litgpt is outside
 
 _WHERE = {
     "Category": "thunder_fsdp_mem.analysis.categories",
-    "Allocation": "thunder_fsdp_mem.analysis.liveness",
-    "InputSpec": "thunder_fsdp_mem.analysis.liveness",
-    "MemoryTimeline": "thunder_fsdp_mem.analysis.liveness",
+    "Allocation": "thunder_fsdp_mem.analysis.timeline",
+    "InputSpec": "thunder_fsdp_mem.analysis.timeline",
+    "MemoryTimeline": "thunder_fsdp_mem.analysis.timeline",
     "analyze": "thunder_fsdp_mem.analysis.liveness",
-    "StepMemory": "thunder_fsdp_mem.analysis.step",
+    "StepMemory": "thunder_fsdp_mem.analysis.phases",
     "estimate_step": "thunder_fsdp_mem.analysis.step",
     "estimate_traces": "thunder_fsdp_mem.analysis.step",
     "MemoryConfig": "thunder_fsdp_mem.config",

@@ -30,7 +30,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import Allocation
+from thunder_fsdp_mem.analysis.timeline import Allocation
 from thunder_fsdp_mem.analysis.phases import Phase, StepMemory
 
 BASE_ADDRESS = 0x7F0000000000

@@ -59,7 +59,7 @@ from litgpt import GPT
 
 from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import Allocation
+from thunder_fsdp_mem.analysis.timeline import Allocation
 from thunder_fsdp_mem.analysis.provenance import is_head
 from thunder_fsdp_mem.analysis.eager_loss import loss_allocations
 from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role

@@ -27,7 +27,7 @@ import torch
 from litgpt.model import Block
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import OUTSIDE, Allocation, MemoryTimeline
 from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation
 from thunder_fsdp_mem.analysis.optimizer import adam_state
 from thunder_fsdp_mem.analysis.phases import Stage
