@@ -3,7 +3,7 @@ report is checked through the CLI (tests/test_cli.py, tests/test_measure.py)."""
 
 import pytest
 
-from thunder_fsdp_mem.report import pattern_name
+from thunder_fsdp_mem.report.contents import pattern_name
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_pattern_name(names, expected):
 @pytest.fixture(scope="module")
 def report():
     from thunder_fsdp_mem.predict.emulate import trace_step
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.report.contents import build_report
     from thunder_fsdp_mem.training import litgpt_models
 
     step = trace_step(litgpt_models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
@@ -48,7 +48,8 @@ def report():
 def test_no_figure_is_ever_cut(report, width):
     # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
     # columns. Every figure of every row appears whole, at every width; a narrow table leaves whole columns out.
-    from thunder_fsdp_mem.report import render_text, short_source
+    from thunder_fsdp_mem.report.tables import short_source
+    from thunder_fsdp_mem.report.text import render_text
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(report, width=width)
@@ -77,7 +78,7 @@ def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
     # gradient, each the logits' size (1 x 4096 x 128256 bf16); without them the loss phase is that much lower, and
     # the peak falls to whichever phase is then highest.
     from thunder_fsdp_mem.analysis.phases import Stage
-    from thunder_fsdp_mem.report import render_text
+    from thunder_fsdp_mem.report.text import render_text
 
     step = report.shown.step
     assert step.peak_stage is Stage.LOSS
@@ -127,7 +128,7 @@ def two_plans():
     """pythia-14m's step without the transform and with it (another number of symbols in each trace)."""
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.report.contents import build_report
     from thunder_fsdp_mem.training import litgpt_models
 
     spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
@@ -137,7 +138,7 @@ def two_plans():
 
 
 def test_plot_is_in_the_labels_unit_from_zero_with_the_phases_lined_up(two_plans):
-    from thunder_fsdp_mem.report import plot_figure
+    from thunder_fsdp_mem.report.plot import plot_figure
 
     plans = two_plans.plans
     timelines = [p.step.timeline() for p in plans]
@@ -169,7 +170,7 @@ def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predic
     # 50304 x 128, beside the parameters, gradients and state. Without them the peak falls to the next highest
     # phase at most.
     from thunder_fsdp_mem.analysis.phases import Stage
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.report.contents import build_report
 
     _, step = predicted_step
     assert step.peak_stage is Stage.OPTIMIZER
@@ -185,7 +186,7 @@ def planned():
     # a budget's plan beside the step without the transform: three columns of figures, and every pass's record
     from thunder_fsdp_mem import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.report.contents import build_report
     from thunder_fsdp_mem.training import litgpt_models
 
     spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=2, block_size=512)
@@ -199,7 +200,7 @@ def planned():
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_every_figure_of_every_table_appears_whole(planned, width):
-    from thunder_fsdp_mem.report import render_text
+    from thunder_fsdp_mem.report.text import render_text
     from thunder_fsdp_mem.report.contents import summary_rows
     from thunder_fsdp_mem.units import format_bytes
 

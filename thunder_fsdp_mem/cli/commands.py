@@ -44,7 +44,7 @@ def run_report(args) -> int:
     """``thunder-fsdp-mem report``: the step without the transform (and with it, under ``--transform`` or a
     budget), measured beside where asked; prints the report and writes its JSON, plot and snapshots."""
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.report.contents import build_report
     from thunder_fsdp_mem.training import litgpt_models
 
     spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
@@ -107,7 +107,7 @@ def run_fit(args) -> int:
 
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.largest_step import fit_step, longest_for
-    from thunder_fsdp_mem.report import fit_json, render_fit
+    from thunder_fsdp_mem.report.fit_table import fit_json, render_fit
     from thunder_fsdp_mem.training import litgpt_models
 
     spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
@@ -236,7 +236,9 @@ def _print_and_write(args, report, steps, measured) -> None:
     """The report as text on stdout, as wide as ``COLUMNS`` or the terminal says (``DEFAULT_WIDTH`` when piped
     without ``COLUMNS``), with the terminal's styles where it prints to one; its JSON, plot and
     snapshots where asked. A file refused at the end is a usage error, as it is when checked before tracing."""
-    from thunder_fsdp_mem.report import render_json, render_plot, render_text
+    from thunder_fsdp_mem.report.as_json import render_json
+    from thunder_fsdp_mem.report.plot import render_plot
+    from thunder_fsdp_mem.report.text import render_text
 
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns))
