@@ -13,7 +13,7 @@ import torch
 
 from support import memtracker_peak
 from thunder_fsdp_mem.training import litgpt_models
-from thunder_fsdp_mem.cli import main
+from thunder_fsdp_mem.cli.commands import main
 
 SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mode", "jit", "--device", "cpu"]
 PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".split()

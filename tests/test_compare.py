@@ -22,7 +22,7 @@ def _run(*args, timeout=1500):
 def _reported_plans(mode: str, tmp_path, *options: str) -> list[dict]:
     """``thunder-fsdp-mem report --transform`` of the comparison's configuration in ``mode`` over 2 fake ranks: the
     plan without the transform, then with it."""
-    from thunder_fsdp_mem.cli import main
+    from thunder_fsdp_mem.cli.commands import main
 
     out = tmp_path / "report.json"
     report = "report --model pythia-14m --n-layers 2 --block-size 128 --world-size 2 --shard zero2 --device cpu"

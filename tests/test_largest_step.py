@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from thunder_fsdp_mem.cli import main
+from thunder_fsdp_mem.cli.commands import main
 from thunder_fsdp_mem.predict.largest_step import Largest, largest, sequence_lengths
 
 PEAKS = {256: 10, 512: 20, 1024: 40, 2048: 80, 4096: 160, 8192: 320, 16384: 640}

@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from thunder_fsdp_mem.cli import main as cli_main
-from thunder_fsdp_mem.run import main
+from thunder_fsdp_mem.cli.commands import main as cli_main
+from thunder_fsdp_mem.run.command import main
 from thunder_fsdp_mem.run.program import run_program
 
 LITGPT = """

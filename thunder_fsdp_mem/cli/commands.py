@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_imports()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # the runner parses its own options, and the program's are not ours to read
-        from thunder_fsdp_mem.run import main as run_main
+        from thunder_fsdp_mem.run.command import main as run_main
 
         return run_main(argv[1:])
     try:
