@@ -8,9 +8,9 @@ from thunder_fsdp_mem.analysis.caching_allocator import (
     OutOfMemory,
     over_cap,
     replay_step,
-    rounded,
     segment_size,
 )
+from thunder_fsdp_mem.analysis.snapshot import aligned as rounded
 
 MiB = 1 << 20
 

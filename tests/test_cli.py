@@ -336,7 +336,7 @@ def test_fusion_rematerialize_is_on_by_default_and_plans_fsdp2s_fused_blocks_to_
 
 
 def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
-    from thunder_fsdp_mem.analysis.caching_allocator import rounded
+    from thunder_fsdp_mem.analysis.snapshot import aligned as rounded
 
     out = tmp_path / "r.json"
     assert (
