@@ -8,7 +8,7 @@ import thunder
 import torch
 from thunder.core.pytree import tree_flatten
 
-from benchmarks.cast_check import UNARY_OPS, differ, every_value, small_lengths
+from benchmarks.correctness.cast_check import UNARY_OPS, differ, every_value, small_lengths
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis import device

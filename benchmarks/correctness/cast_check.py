@@ -1,7 +1,7 @@
 """Which elementwise ops ATen runs on bf16 and f16 exactly as "upcast to float32, the op, round back": the check
 behind the tables of ``thunder_fsdp_mem/passes/casts.py``.
 
-    python -m benchmarks.cast_check [--device cuda]
+    python -m benchmarks.correctness.cast_check [--device cuda]
 
 For each op it compares ``op(x)`` with ``op(x.float()).to(dtype)`` bit for bit (results that are NaN on both sides
 count as equal) and prints one line per op and dtype: the number of values that differ. Unary ops and ops with a
@@ -9,7 +9,7 @@ number run on every bf16 and f16 value, contiguous and transposed; binary ops on
 operand broadcast against the other), and on 4 million random pairs on CPU. Ops with a number run with the number
 first and second, for numbers exact in the 16-bit dtype and numbers that are not.
 
-    python -m benchmarks.cast_check --small-lengths [--device cuda]
+    python -m benchmarks.correctness.cast_check --small-lengths [--device cuda]
 
 checks the device's fold tables where a large tensor does not reach: every length from 1 to 67 (ATen's scalar
 tails and remainder loops), strided and expanded views, broadcast operands (``small_lengths``).

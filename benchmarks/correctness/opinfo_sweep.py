@@ -1,7 +1,8 @@
 """Thunder's OpInfos run with and without ``FSDPMemoryTransform``, forward and backward, compared bit for bit.
 
-    python -m benchmarks.opinfo_sweep [--device cpu|cuda] [--executors default fused] [--dtypes float32 bf16 f16]
-        [--ops NAME ...] [--lengths 1 3 7 17 33 67] [--jobs N] [--out sweep.json] [--log sweep.jsonl [--resume]]
+    python -m benchmarks.correctness.opinfo_sweep [--device cpu|cuda] [--executors default fused]
+        [--dtypes float32 bf16 f16] [--ops NAME ...] [--lengths 1 3 7 17 33 67] [--jobs N] [--out sweep.json]
+        [--log sweep.jsonl [--resume]]
 
 Every OpInfo of ``thunder.tests.opinfos`` (it imports pytest: ``pip install .[test]``), for each dtype
 it supports, for each sample it generates: the op runs inside a pair, its tensor outputs each multiplied by a

@@ -1,6 +1,6 @@
 """Training curves of several modes on one fixed data stream, side by side: do their losses stay together?
 
-    python -m benchmarks.curves --model stablecode-completion-alpha-3b --n-layers 12 --block-size 4096 \\
+    python -m benchmarks.correctness.curves --model stablecode-completion-alpha-3b --n-layers 12 --block-size 4096 \\
         --steps 200 --modes fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor \\
         --json curves.json --plot curves.png
 
@@ -135,7 +135,7 @@ def run_mode(args, mode: str) -> dict:
     cmd = torchrun(
         args.nproc_per_node,
         "-m",
-        "benchmarks.curves",
+        "benchmarks.correctness.curves",
         "--worker",
         mode,
         "--model",

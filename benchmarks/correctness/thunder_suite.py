@@ -1,16 +1,17 @@
 """Thunder's own test files with ``FSDPMemoryTransform()`` in every ``thunder.jit`` and ThunderFX compile, against
 the same files without it: does any test change its outcome, and does the transform ever warn or raise?
 
-    python -m benchmarks.thunder_suite [--files test_networks test_grad ...] [--jobs 2] [-k EXPR] [--out suite.json]
+    python -m benchmarks.correctness.thunder_suite [--files test_networks test_grad ...] [--jobs 2] [-k EXPR]
+        [--out suite.json]
 
 Each run is one ``pytest --pyargs thunder.tests.<file> ...`` (``--jobs`` pytest-xdist workers, each file on one),
-its outcomes read from its JUnit XML; the run with the transform loads ``benchmarks/thunder_suite_plugin.py``,
-which adds it and records what it did. It prints the per-test differences (a test that passed without the
-transform and failed with it, or the other way, with the failing run's message), the counts of each run, how many
-compilations took the transform and every warning or exception of the transform; the exit code is 1 if an outcome
-changed or the transform raised. ``--out`` keeps, besides, every failure's message and the end of its traceback.
-Thunder's test files import test-only packages: ``pip install -e '.[sweep]'``. On CPU (no GPU), the CUDA tests
-skip themselves.
+its outcomes read from its JUnit XML; the run with the transform loads
+``benchmarks/correctness/thunder_suite_plugin.py``, which adds it and records what it did. It prints the per-test
+differences (a test that passed without the transform and failed with it, or the other way, with the failing run's
+message), the counts of each run, how many compilations took the transform and every warning or exception of the
+transform; the exit code is 1 if an outcome changed or the transform raised. ``--out`` keeps, besides, every failure's
+message and the end of its traceback. Thunder's test files import test-only packages: ``pip install -e '.[sweep]'``. On
+CPU (no GPU), the CUDA tests skip themselves.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 FILES = ("test_networks", "test_grad", "test_transforms", "test_dynamo", "test_autocast", "test_jit_general")
 
 
@@ -55,7 +56,7 @@ def run_files(
     if keyword:
         cmd += ["-k", keyword]
     if ours:
-        cmd += ["-p", "benchmarks.thunder_suite_plugin"]
+        cmd += ["-p", "benchmarks.correctness.thunder_suite_plugin"]
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

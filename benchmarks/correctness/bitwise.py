@@ -1,6 +1,6 @@
 """Thunder with FSDPMemoryTransform against Thunder without it: the loss and every gradient, bit for bit.
 
-    python -m benchmarks.bitwise --device cuda [--deterministic] [--model stablecode-completion-alpha-3b]
+    python -m benchmarks.correctness.bitwise --device cuda [--deterministic] [--model stablecode-completion-alpha-3b]
         [--n-layers 1] [--block-size 2048] [--executors default+cat|default|default+inductor|fused] [--dtype bf16|fp32]
         [--override FIELD=INT ...] [--budget-fraction 0.95] [--least-peak] [--thunderfx] [--only TEXT ...]
 

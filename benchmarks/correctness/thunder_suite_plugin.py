@@ -1,7 +1,8 @@
 """A pytest plugin that adds ``FSDPMemoryTransform()`` to every ``thunder.jit`` of the session (``ThunderCompiler``'s
-subgraphs among them) as the runner does (``thunder_fsdp_mem.run.inject``), for ``benchmarks/thunder_suite.py``.
-Loaded with ``-p benchmarks.thunder_suite_plugin`` (the project's root on ``PYTHONPATH``); it patches before
-Thunder's test files are collected, so that their ``from thunder import jit`` takes the patched function too.
+subgraphs among them) as the runner does (``thunder_fsdp_mem.run.inject``), for
+``benchmarks/correctness/thunder_suite.py``. Loaded with ``-p benchmarks.correctness.thunder_suite_plugin`` (the
+project's root on ``PYTHONPATH``); it patches before Thunder's test files are collected, so that their
+``from thunder import jit`` takes the patched function too.
 
 At the end it writes, to the JSON file ``THUNDER_SUITE_RECORD`` names, how often the transform was added
 (``jitted``), how often it ran on a trace (``transformed``), and every warning it gave (``warnings``) and every

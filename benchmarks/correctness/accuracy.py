@@ -2,13 +2,13 @@
 
 One configuration per process (a fresh ``torchrun`` for Thunder's fsdp), so that no run's caches shape another's:
 
-    python -m benchmarks.accuracy --device cuda --model stablecode-completion-alpha-3b --n-layers 4 \\
+    python -m benchmarks.correctness.accuracy --device cuda --model stablecode-completion-alpha-3b --n-layers 4 \\
         --block-size 4096 --mode jit
-    torchrun --nproc-per-node 2 -m benchmarks.accuracy --device cuda ... --mode fsdp --shard zero2
+    torchrun --nproc-per-node 2 -m benchmarks.correctness.accuracy --device cuda ... --mode fsdp --shard zero2
 
 and a matrix of them, printed as a Markdown table (and written with ``--out``):
 
-    python -m benchmarks.accuracy --matrix --device cuda --n-layers 4 32 --block-size 4096 8192 \\
+    python -m benchmarks.correctness.accuracy --matrix --device cuda --n-layers 4 32 --block-size 4096 8192 \\
         --modes jit fsdp-zero2 fsdp-zero3 --nproc-per-node 2 --out docs/accuracy-gpu.md
 
 Measured: ``torch.cuda.max_memory_allocated()`` on GPU, the profiler's live bytes on CPU (``CPUMemory``, as
@@ -183,7 +183,14 @@ def run_matrix(args) -> list[dict]:
             env = dict(os.environ)
             if args.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(slot)
-            cmd = [sys.executable, "-m", "benchmarks.accuracy", *_common(args, n_layers, block_size), "--mode", "jit"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.correctness.accuracy",
+                *_common(args, n_layers, block_size),
+                "--mode",
+                "jit",
+            ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
         for proc, run in zip(procs, single[batch_start : batch_start + args.parallel]):
             out, err = proc.communicate()
@@ -192,7 +199,7 @@ def run_matrix(args) -> list[dict]:
         cmd = torchrun(
             args.nproc_per_node,
             "-m",
-            "benchmarks.accuracy",
+            "benchmarks.correctness.accuracy",
             *_common(args, n_layers, block_size),
             "--mode",
             "fsdp",

@@ -3,7 +3,7 @@ executors takes the call on cuDNN (forward and backward), and its output and gra
 ``F.scaled_dot_product_attention`` (which runs the same kernels); then a 2-layer stablecode-3b's losses over 3
 steps, fused Thunder against torch.compile. Exits 1 where the executor does not take a call it should.
 
-    python -m benchmarks.cudnn_attention_check
+    python -m benchmarks.correctness.cudnn_attention_check
 """
 
 from __future__ import annotations

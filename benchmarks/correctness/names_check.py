@@ -1,7 +1,8 @@
 """Does the report name each of its largest tensors by what it is? A check over models and modes the tests do not
 name, on the meta device (no GPU).
 
-    python -m benchmarks.names_check [--models pythia-14m Qwen2.5-0.5B ...] [--n-layers 2] [--block-size 512]
+    python -m benchmarks.correctness.names_check [--models pythia-14m Qwen2.5-0.5B ...] [--n-layers 2]
+        [--block-size 512]
 
 For each model, mode (``jit``, ``thunder-fsdp``, ``fsdp2``) and executors (``default``, ``fused``) it traces a
 step as ``thunder-fsdp-mem report`` does and takes the 20 largest allocations of the forward and of the backward
