@@ -4,7 +4,7 @@
         --steps 200 --modes fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor \\
         --json curves.json --plot curves.png
 
-Each mode (``benchmarks/compare.py``'s names and ``@`` options) trains the same litgpt model from the same
+Each mode (``benchmarks/performance/compare.py``'s names and ``@`` options) trains the same litgpt model from the same
 initialisation (seed 0, bf16, AdamW at ``--lr``) for ``--steps`` steps in a fresh ``torchrun`` of its own; the modes
 run at once (``--jobs``; their memory and time are not what this measures). A step is the benchmarks' (forward,
 eager cross-entropy, backward, AdamW) with the loss computed in float32, whose value is recorded (a bf16 loss
@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default="fsdp2-thunder+mem@ex=fused,fsdp2-thunder+mem@ex=fused@fr=0,fsdp2-inductor",
-        help="comma-separated modes of benchmarks/compare.py (default: FSDP2 through ThunderFX, fused, "
+        help="comma-separated modes of benchmarks/performance/compare.py (default: FSDP2 through ThunderFX, fused, "
         "with the default transform and with fusion_rematerialize off, and FSDP2 + torch.compile)",
     )
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per mode (default 1)")

@@ -78,7 +78,7 @@ def _check_sizes(args) -> None:
         if args.measure and args.mode == "fsdp2":
             raise UsageError(
                 "--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
-                "block's share of the budget comes from the prediction: benchmarks/compare.py "
+                "block's share of the budget comes from the prediction: benchmarks/performance/compare.py "
                 "--modes fsdp2-thunder+mem@budget=SIZE measures it"
             )
     if args.memory_cap is not None:

@@ -5,8 +5,8 @@ for the model, no other ranks.
 Entry points: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``; ``fit_budget(spec, config, ...)``,
 the ``MemoryConfig.saved_budget`` each block's transform needs for the step to fit a per-rank budget.
 
-The set-up is ``benchmarks/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``, ``wte``,
-``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
+The set-up is ``benchmarks/performance/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``,
+``wte``, ``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
 ``torch.compile(backend=ThunderCompiler(...))``; the loss eager cross-entropy on the logits, or (``loss="trace"``)
 in the step: ``LossModel`` is the root and keeps ``lm_head`` (``modes.shard_fsdp2(..., root=LossModel(gpt))``).
 

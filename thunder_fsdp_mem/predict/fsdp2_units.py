@@ -69,8 +69,8 @@ class Unit:
 
 
 def units(gpt, world_size: int, *, loss_in_step: bool = False) -> list[Unit]:
-    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/compare.py`` wraps it, in the order its forward runs
-    (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
+    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/performance/compare.py`` wraps it, in the order its forward
+    runs (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
     hooks would otherwise break Dynamo's graph between the head and the loss), last."""
     t = gpt.transformer
     return [

@@ -21,10 +21,10 @@ Every rank computes the same plan from the same arguments (tracing on the meta d
 the ranks' transforms make the same choices and issue the same collectives. Call it before ``torch.compile``: it
 resets Dynamo, whose compiled code it would otherwise mix with its own.
 
-Limitations: what ``fsdp2.compose_step`` models (litgpt's ``GPT`` with the wrapping of ``benchmarks/compare.py``:
-each Block, ``wte``, ``ln_f``, ``lm_head`` or a ``LossModel`` root, the root; AdamW); parameters
-computed in their own dtype (a ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the parameters' is
-refused); a litgpt configuration known by name (``Config.from_name``), with any of its fields changed.
+Limitations: what ``fsdp2.compose_step`` models (litgpt's ``GPT`` with the wrapping of
+``benchmarks/performance/compare.py``: each Block, ``wte``, ``ln_f``, ``lm_head`` or a ``LossModel`` root, the root;
+AdamW); parameters computed in their own dtype (a ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the
+parameters' is refused); a litgpt configuration known by name (``Config.from_name``), with any of its fields changed.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ DISTRIBUTED_MODES = (
     "fsdp1-inductor",
 )
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "inductor+ckpt", "eager")
-WHAT_EACH_RUNS = {  # what ``benchmarks/compare.py --help`` says of each mode
+WHAT_EACH_RUNS = {  # what ``benchmarks/performance/compare.py --help`` says of each mode
     "thunder-fsdp": "thunder.jit under Thunder's fsdp (thunder.distributed.fsdp)",
     "thunder-fsdp+mem": "the same with FSDPMemoryTransform",
     "fsdp2-thunder": "FSDP2 (fully_shard per block) compiled by ThunderFX (ThunderCompiler)",

@@ -1,5 +1,6 @@
-"""``compare``'s driver: each mode in a fresh ``torchrun`` of its own (``-m benchmarks.compare --worker MODE``),
-up to ``--jobs`` at once, its ranks' ``RESULT`` lines merged into one row.
+"""``compare``'s driver: each mode in a fresh ``torchrun`` of its own
+(``-m benchmarks.performance.compare --worker MODE``), up to ``--jobs`` at once, its ranks' ``RESULT`` lines merged
+into one row.
 
 Entry point: ``run_all(args, chosen, on_row) -> list[dict]``. With ``--jobs`` the modes take turns on the devices
 through a lock file (``compare_worker``); a mode that failed or retried allocations beside another is measured
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.compare_table import merge, row
+from benchmarks.performance.compare_table import merge, row
 from benchmarks.launch import torchrun
 from benchmarks.variants import split_variant
 from thunder_fsdp_mem.training import modes as mode_table
@@ -65,7 +66,7 @@ def run_all(args, chosen: list[str], on_row=lambda rows: None) -> list[dict]:
 
 
 def _run_mode(args, mode: str, nproc: int, lock: str | None) -> dict:
-    cmd = torchrun(nproc, "-m", "benchmarks.compare", "--worker", mode, *_forwarded(args))
+    cmd = torchrun(nproc, "-m", "benchmarks.performance.compare", "--worker", mode, *_forwarded(args))
     if lock is not None:
         cmd += ["--turn-lock", lock]
     # A session of its own: at the timeout torchrun and every rank it started end together.

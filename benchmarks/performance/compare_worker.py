@@ -1,4 +1,5 @@
-"""``compare``'s worker: one mode on one rank of its ``torchrun`` (``python -m benchmarks.compare --worker MODE``).
+"""``compare``'s worker: one mode on one rank of its ``torchrun``
+(``python -m benchmarks.performance.compare --worker MODE``).
 
 Entry point: ``worker(args) -> int``. It builds the mode's model, optimizer and batch (``modes.build``), compiles
 and estimates (``estimate_step``, where the mode has a ThunderModule), warms up, then measures ``--steps`` steps:
@@ -17,7 +18,7 @@ import time
 from contextlib import contextmanager
 from datetime import timedelta
 
-from benchmarks.compare_table import row
+from benchmarks.performance.compare_table import row
 from benchmarks.variants import split_variant
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.training import modes as mode_table

@@ -1,8 +1,9 @@
 """Every FSDP mode side by side: peak memory, step time and the estimate, one fresh ``torchrun`` per mode.
 
-    python -m benchmarks.compare --nproc-per-node 2 --model stablecode-completion-alpha-3b --block-size 8192 \\
-        [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] [--steps 10] \\
-        [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--timeout 3600] [--json out.json] [--plot out.png]
+    python -m benchmarks.performance.compare --nproc-per-node 2 --model stablecode-completion-alpha-3b \\
+        --block-size 8192 [--n-layers N] [--micro-batch-size 1] [--shard zero2|zero3] [--modes all|m1,m2,...] \\
+        [--steps 10] [--warmup 3] [--device cuda|cpu] [--memory-cap-gb 80] [--timeout 3600] [--json out.json] \\
+        [--plot out.png]
 
 A mode may carry its own options, so that one table holds several: ``thunder-fsdp+mem@w=0.1@ag=1@ex=fused``. A
 Thunder mode takes ``ex``: its executors (``default``, ``default+cat``, ``default+inductor``, ``fused``:
@@ -53,9 +54,9 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.compare_runs import run_all
-from benchmarks.compare_table import plot, table
-from benchmarks.compare_worker import worker
+from benchmarks.performance.compare_runs import run_all
+from benchmarks.performance.compare_table import plot, table
+from benchmarks.performance.compare_worker import worker
 from benchmarks.options import UsageError, UsageParser
 from benchmarks.variants import chosen_modes, split_variant
 from thunder_fsdp_mem.config import DEFAULT_RECOMPUTE_WEIGHT, MemoryConfig

@@ -2,7 +2,7 @@
 configurations of each litgpt family (CPU; parameters and inputs excluded; counted with
 ``torch.autograd.graph.saved_tensors_hooks``, which sees eager autograd and Thunder's autograd function alike).
 
-    python -m benchmarks.saved_vs_eager [--n-layers 2]
+    python -m benchmarks.performance.saved_vs_eager [--n-layers 2]
 
 The configurations and the count are the tests' (``tests/configs.py``, ``tests/support.py``, read from the
 repository root as the namespace package ``tests``).

@@ -2,7 +2,7 @@
 wheel), run unmodified: each row one fresh ``torchrun`` of it, plain or through the runner (``thunder-fsdp-mem run``),
 side by side with torch.compile, on one GPU::
 
-    python -m benchmarks.litgpt_script --n-layers 12 --block-size 8192 --out $OUT/script.jsonl \\
+    python -m benchmarks.performance.litgpt_script --n-layers 12 --block-size 8192 --out $OUT/script.jsonl \\
         [--model stablecode-completion-alpha-3b] [--distributed-mode fsdp2] [--shard-mode zero2] \\
         [--rows inductor thunder_inductor_cat_cudnn_dynamo thunder_inductor_cat_cudnn_dynamo+ours ...] \\
         [--max-iters 10] [--warmup-iters 3] [--timeout 900]

@@ -5,7 +5,7 @@ drain the device after each phase, as the timed ones do). One process per mode, 
 ``--trace-dir`` keeps each mode's profile as a Chrome trace. Modes take ``compare.py``'s options
 (``thunder+mem@ex=fused@budget=13GiB``, ``inductor@amb=0.5``).
 
-    python -m benchmarks.profile_step --n-layers 12 --block-size 8192 \
+    python -m benchmarks.performance.profile_step --n-layers 12 --block-size 8192 \
         --modes thunder@ex=fused,inductor --json profile.json
 
 A diagnosis, not a table for ``docs/results.md``: the profiler's own overhead lengthens the profiled steps, so the
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks.profile_step",
+            "benchmarks.performance.profile_step",
             "--worker",
             mode,
             "--model",

@@ -2,7 +2,8 @@
 ``FSDPMemoryTransform``), with litgpt's mask loop and with ``vectorize_window_masks``, at growing sequence lengths:
 the time Thunder takes to trace, transform and run it once. Each measurement in a fresh process::
 
-    python -m benchmarks.window_first_step [--model gemma-2-2b] [--layers 2] [--tokens 512 1024 2048] [--out f.jsonl]
+    python -m benchmarks.performance.window_first_step [--model gemma-2-2b] [--layers 2] [--tokens 512 1024 2048] \\
+        [--out f.jsonl]
 
 The model is narrowed (64 wide, a 16-token window) so that the step itself is negligible beside the tracing: what
 grows with the sequence is the loop's T in-place row writes, each traced and walked by Thunder's alias updates.
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     for tokens in args.tokens:
         row = {}
         for mask in ("loop", "vectorized"):
-            cmd = [sys.executable, "-m", "benchmarks.window_first_step", "--model", args.model]
+            cmd = [sys.executable, "-m", "benchmarks.performance.window_first_step", "--model", args.model]
             cmd += ["--layers", str(args.layers), "--one", str(tokens), mask]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
             row[mask] = json.loads(proc.stdout.strip().splitlines()[-1])

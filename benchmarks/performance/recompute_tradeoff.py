@@ -1,7 +1,8 @@
 """Saved bytes against recomputation traffic, per layer, for several ``recompute_weight`` values: the plan's own
 figures (``mincut.plan_saved``) on a litgpt model traced on the meta device, no GPU and no memory needed.
 
-    python -m benchmarks.recompute_tradeoff --model stablecode-completion-alpha-3b --block-size 8192 [--no-fold]
+    python -m benchmarks.performance.recompute_tradeoff --model stablecode-completion-alpha-3b --block-size 8192 \\
+        [--no-fold]
 
 It traces the model with 1 and with 2 layers and prints the difference (one layer's worth), then what
 ``reorder`` makes of the 2-layer pair at the default weight. On the meta device

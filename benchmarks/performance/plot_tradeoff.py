@@ -1,8 +1,8 @@
-"""Peak memory against step time, one point per measured mode of ``benchmarks/compare.py`` (its ``--json``): the
-trade-off a memory budget makes, set beside torch.compile's ``activation_memory_budget`` and full checkpointing.
+"""Peak memory against step time, one point per measured mode of ``benchmarks/performance/compare.py`` (its ``--json``):
+the trade-off a memory budget makes, set beside torch.compile's ``activation_memory_budget`` and full checkpointing.
 
-    python -m benchmarks.plot_tradeoff curve.json --out curve.png
-    python -m benchmarks.plot_tradeoff thunder.json inductor.json --out headline.png --cap-gb 80
+    python -m benchmarks.performance.plot_tradeoff curve.json --out curve.png
+    python -m benchmarks.performance.plot_tradeoff thunder.json inductor.json --out headline.png --cap-gb 80
 
 Points of one family are joined in order of peak: Thunder with the transform (``+mem``, each budget), Thunder
 without it, torch.compile at each ``activation_memory_budget`` (``@amb=``), torch.compile with every block
@@ -66,7 +66,7 @@ def _layers(model: str) -> int | str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("json", nargs="+", help="benchmarks/compare.py --json output (one or more runs)")
+    p.add_argument("json", nargs="+", help="benchmarks/performance/compare.py --json output (one or more runs)")
     p.add_argument("--out", required=True, help="the plot (.png, .svg or .pdf)")
     p.add_argument("--cap-gb", type=float, help="draw the memory cap (GB, as compare.py's --memory-cap-gb)")
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """How long FSDPMemoryTransform takes against Thunder's own compilation, for a litgpt model traced on the meta
 device (no memory, no compute: Thunder runs every op for its shapes only).
 
-    python -m benchmarks.transform_speed --model stablecode-completion-alpha-3b --n-layers 32 --block-size 8192
+    python -m benchmarks.performance.transform_speed --model stablecode-completion-alpha-3b --n-layers 32 \\
+        --block-size 8192
 
 The traces are those the GPU runs (``--device-type cuda``, the benchmark's executors): attention's kernel, the
 torch.compile executors' claims and the casts the transform folds are CUDA's (``meta.as_on``). Prints

@@ -2,7 +2,7 @@
 (about 14,000 bound symbols), traced on the meta device (no memory, no compute; Thunder's compilation of the
 model dominates the run time, the analysis is timed alone).
 
-    python -m benchmarks.analyze_speed [--n-layers 32] [--block-size 8192] [--repeat 5]
+    python -m benchmarks.performance.analyze_speed [--n-layers 32] [--block-size 8192] [--repeat 5]
 """
 
 from __future__ import annotations
