@@ -1,5 +1,5 @@
-"""reserved: the model of PyTorch's CUDA caching allocator, against figures worked out by hand from the allocator's
-rules (sizes, pools, splitting, merging, releasing under a cap), and over a predicted step."""
+"""caching_allocator: the model of PyTorch's CUDA caching allocator, against figures worked out by hand from the
+allocator's rules (sizes, pools, splitting, merging, releasing under a cap), and over a predicted step."""
 
 import pytest
 
