@@ -1,6 +1,6 @@
 """How the benchmarks (and the tests' workers) start their ranks: ``torchrun`` through this Python.
 
-Entry point: ``torchrun(nproc, *program)``; a benchmark passes ``"-m", "benchmarks.NAME"`` so that its ranks
+Entry point: ``torchrun(nproc, *program)``; a benchmark passes ``"-m", "benchmarks.GROUP.NAME"`` so that its ranks
 import it as the package's module, from the working directory they inherit (the repository root).
 """
 

@@ -18,7 +18,7 @@ class UsageParser(argparse.ArgumentParser):
 
 
 def add_override(p: argparse.ArgumentParser) -> None:
-    """``--override FIELD=INT``, repeatable: a litgpt ``Config`` field (``models.parse_overrides``)."""
+    """``--override FIELD=INT``, repeatable: a litgpt ``Config`` field (``litgpt_models.parse_overrides``)."""
     p.add_argument(
         "--override",
         action="append",

@@ -12,7 +12,7 @@ import dataclasses
 from benchmarks.options import UsageError
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.training import modes as mode_table
-from thunder_fsdp_mem.training import losses, runtime
+from thunder_fsdp_mem.training import loss_placement, runtime
 from thunder_fsdp_mem.units import parse_bytes
 
 VARIANT_KEYS = {
@@ -36,7 +36,7 @@ def _executor_choice(value: str) -> str:
 
 
 def _loss_choice(value: str) -> str:
-    if value not in losses.LOSSES:
+    if value not in loss_placement.LOSSES:
         raise ValueError(value)
     return value
 
@@ -67,7 +67,7 @@ _EXPECTED = {
     "ex": f"one of {', '.join(runtime.EXECUTOR_CHOICES)}",
     "amb": "a number from 0 to 1",
     "budget": "a size (60GB, 55.9GiB)",
-    "loss": f"one of {', '.join(losses.LOSSES)}",
+    "loss": f"one of {', '.join(loss_placement.LOSSES)}",
 }
 
 
@@ -76,7 +76,7 @@ class Variant:
     """A mode with its own options: ``base``, the mode; ``memory``, ``MemoryConfig`` options of a +mem mode;
     ``executors``, a Thunder mode's executors (None: ``--executors``'); ``amb``: a torch.compile mode's
     ``activation_memory_budget`` (None: its default); ``loss``: where the step computes its loss
-    (``losses.LOSSES``)."""
+    (``loss_placement.LOSSES``)."""
 
     base: str
     memory: dict
@@ -126,7 +126,11 @@ def chosen_modes(modes: str, valid: tuple[str, ...]) -> list[str]:
             raise UsageError(f"mode {m!r}: only Thunder's modes take @ex")
         if variant.amb is not None and variant.base not in mode_table.INDUCTOR_MODES:
             raise UsageError(f"mode {m!r}: only torch.compile's modes take @amb")
-        if variant.loss in losses.OUTSIDE and variant.base in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+        if variant.loss in loss_placement.OUTSIDE and variant.base in (
+            "thunder-fsdp",
+            "thunder-fsdp+mem",
+            "fsdp1-inductor",
+        ):
             raise UsageError(f"mode {m!r}: {variant.base} shards the head where an external loss cannot gather it")
         if variant.loss != "eager" and variant.base == "fsdp1-inductor":
             raise UsageError(f"mode {m!r}: fsdp1-inductor runs the eager loss only")

@@ -1,6 +1,6 @@
 """Small litgpt configurations of the families we test: real block structure, tiny sizes."""
 
-from thunder_fsdp_mem.training.models import ModelSpec
+from thunder_fsdp_mem.training.litgpt_models import ModelSpec
 
 NEOX = ModelSpec(  # GPT-NeoX-style parallel residual, LayerNorm, GELU MLP, partial rotary
     name="stablecode-completion-alpha-3b",

@@ -47,7 +47,7 @@ def predicted_step(request):
     """(options, StepMemory) of pythia-14m, 1 layer, 32 tokens, in each of ``PREDICTED``'s set-ups (on CUDA a
     reduce-scatter's input lives until its wait, which frees it while it runs)."""
     from thunder_fsdp_mem.predict.emulate import trace_step
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     options = PREDICTED[request.param]
-    return options, trace_step(models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32), **options)
+    return options, trace_step(litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32), **options)

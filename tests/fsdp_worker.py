@@ -8,7 +8,7 @@ import thunder
 from configs import BY_NAME
 from support import exit_worker, memtracker_peak
 from thunder_fsdp_mem import estimate_step
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 
 def main(configurations: list[str]) -> None:
@@ -17,8 +17,8 @@ def main(configurations: list[str]) -> None:
         family, dtype_name = configuration.split(":")
         for shard in ("zero2", "zero3"):
             spec = BY_NAME[family]
-            model = models.build(spec, dtype=models.DTYPES[dtype_name])
-            idx, targets = models.batch(spec)
+            model = litgpt_models.build(spec, dtype=litgpt_models.DTYPES[dtype_name])
+            idx, targets = litgpt_models.batch(spec)
             jitted = runtime.thunder_fsdp(thunder.jit(model), shard=shard, device=rank.device)
             jitted(idx, targets).backward()
             for p in jitted.parameters():

@@ -20,8 +20,8 @@ from support import exit_worker
 from thunder_fsdp_mem import FSDPMemoryTransform, analyze
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import gathers, recompute, scatters
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.passes import gathers, mincut, scatters
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 
 def _step(mode, spec, rank, shard, executors):
@@ -46,7 +46,7 @@ def _step_listed(spec, rank, shard):
 
 
 def _run(model, spec, rank):
-    idx, targets = models.batch(spec, seed=rank.rank, device=rank.device)
+    idx, targets = litgpt_models.batch(spec, seed=rank.rank, device=rank.device)
     logits = model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()
@@ -69,7 +69,7 @@ def gathered_at_once(forward) -> tuple[int, int]:
                 if a.name in future_of:
                     alive.discard(forward.bound_symbols[future_of[a.name].gather].flat_proxy_outs[0].name)
         most = max(most, len(alive & issued))
-    saved = sum(1 for t in recompute.saved_tensors(forward) if t.name in future_of)
+    saved = sum(1 for t in mincut.saved_tensors(forward) if t.name in future_of)
     return most, saved
 
 

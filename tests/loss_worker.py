@@ -9,12 +9,12 @@ import torch
 
 from configs import SOFTCAP_TIED
 from support import exit_worker
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 
 def _step(mode: str, shard: str, rank):
     trainer = modes.build(mode, SOFTCAP_TIED, rank, shard=shard, executors="default", dtype=torch.float32, loss="trace")
-    idx, targets = models.batch(SOFTCAP_TIED, seed=rank.rank)
+    idx, targets = litgpt_models.batch(SOFTCAP_TIED, seed=rank.rank)
     targets[0, :17] = -100
     loss = trainer.model(idx, targets)
     loss.backward()

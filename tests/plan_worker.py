@@ -15,7 +15,7 @@ from support import exit_worker
 from thunder_fsdp_mem import FSDPMemoryTransform, LossModel, MemoryConfig, plan_fsdp2
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 SPEC = dataclasses.replace(BY_NAME["neox"], n_layers=4, block_size=1024)  # the blocks' saved tensors dominate
 EXECUTORS = "default"
@@ -36,7 +36,7 @@ def measured_peak(config: MemoryConfig, rank, loss: str) -> int:
         torch.optim.AdamW(model.parameters(), lr=1e-4),
         loss=loss,
     )
-    idx, targets = models.batch(SPEC, seed=rank.rank)
+    idx, targets = litgpt_models.batch(SPEC, seed=rank.rank)
     trainer.step(idx, targets)
     peaks = []
     for _ in range(REPEATS):

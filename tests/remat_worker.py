@@ -9,12 +9,12 @@ import torch
 
 from configs import BY_NAME
 from support import exit_worker, saved_bytes
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 
 def _step(mode: str, spec, rank, dtype):
     trainer = modes.build(mode, spec, rank, shard="zero2", executors="default", dtype=dtype)
-    idx, targets = models.batch(spec, seed=rank.rank)
+    idx, targets = litgpt_models.batch(spec, seed=rank.rank)
 
     def loss_of(idx):
         logits = trainer.model(idx)
@@ -32,7 +32,7 @@ def _step(mode: str, spec, rank, dtype):
 def main(family: str, dtype_name: str) -> None:
     rank = runtime.init_distributed("cpu")
     spec = dataclasses.replace(BY_NAME[family], n_layers=1)
-    dtype = models.DTYPES[dtype_name]
+    dtype = litgpt_models.DTYPES[dtype_name]
     for mode in ("thunder-fsdp", "fsdp2-thunder"):
         loss, grads, saved = _step(mode, spec, rank, dtype)
         loss_m, grads_m, saved_m = _step(mode + "+mem", spec, rank, dtype)

@@ -17,7 +17,7 @@ from configs import SOFTCAP_TIED
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.predict.meta import as_on
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 # An attention executor for CPU tensors, as Thunder's sdpa executor is for CUDA ones (torch's CPU flash attention and
 # its backward, which saves the log-sum-exp and never the probabilities): the upstream reproducer's, registered with
@@ -81,7 +81,7 @@ def test_no_attention_executor_that_accepts_it_is_said():
 def test_torch_compile_executor_first_saves_no_t_by_t_matrix_at_8192_tokens(route):
     # benchmark_litgpt.py's thunder_inductor (runtime's default+inductor): Thunder's torch.compile executor ahead of
     # the defaults, on the meta device as on an H100 (sdpa's flash kernel for bf16), stablecode-3b's block at 8192.
-    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
+    spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
     executors = runtime.executors("default+inductor")
     assert executors[0] is torch_compile_ex
     transform = FSDPMemoryTransform(MemoryConfig(route_attention=route))
@@ -89,7 +89,7 @@ def test_torch_compile_executor_first_saves_no_t_by_t_matrix_at_8192_tokens(rout
         with torch.device("meta"):
             gpt = GPT(spec.config()).to(torch.bfloat16)
         jitted = thunder.jit(gpt, executors=executors, transforms=[transform])
-        idx, targets = models.batch(spec, device="meta")
+        idx, targets = litgpt_models.batch(spec, device="meta")
         logits = jitted(idx)
         F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
     saved = thunder.last_traces(jitted)[-1].bound_symbols[-1].args[1][0]
@@ -107,7 +107,9 @@ def test_soft_capped_attention_saves_no_probabilities_at_8192_tokens():
     # litgpt's gemma-2 attention (soft-capped: computed by matmul, tanh and softmax, never by an attention
     # executor), one block on the meta device as on an H100 with Thunder's default executors. The sliding window is
     # off: litgpt builds its mask with a Python loop of T writes, which takes Thunder minutes to trace.
-    spec = models.ModelSpec(name="gemma-2-2b", n_layers=1, block_size=8192, overrides=(("sliding_window_size", None),))
+    spec = litgpt_models.ModelSpec(
+        name="gemma-2-2b", n_layers=1, block_size=8192, overrides=(("sliding_window_size", None),)
+    )
     executors = list(thunder.get_default_executors())
 
     def saved(transforms):
@@ -115,7 +117,7 @@ def test_soft_capped_attention_saves_no_probabilities_at_8192_tokens():
             with torch.device("meta"):
                 gpt = GPT(spec.config()).to(torch.bfloat16)
             jitted = thunder.jit(gpt, executors=executors, transforms=transforms)
-            idx, targets = models.batch(spec, device="meta")
+            idx, targets = litgpt_models.batch(spec, device="meta")
             logits = jitted(idx)
             F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
         tensors = thunder.last_traces(jitted)[-1].bound_symbols[-1].args[1][0]
@@ -139,7 +141,7 @@ def test_soft_capped_attention_and_its_mask_are_rebuilt_in_backward_bit_for_bit(
         torch.manual_seed(0)
         gpt = GPT(spec.config()).to(dtype)
         jitted = thunder.jit(gpt, executors=list(thunder.get_default_executors()), transforms=transforms)
-        idx, targets = models.batch(spec)
+        idx, targets = litgpt_models.batch(spec)
         logits = jitted(idx)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         loss.backward()

@@ -20,22 +20,22 @@ from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis.symbols import MATMULS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import REMATERIALIZE
-from thunder_fsdp_mem.analysis.allocator import over_cap, replay_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap, replay_step
+from thunder_fsdp_mem.training import litgpt_models
 
 
-def _spec(family: str) -> models.ModelSpec:
+def _spec(family: str) -> litgpt_models.ModelSpec:
     return dataclasses.replace(BY_NAME[family], n_layers=4, block_size=256)  # saved activations dominate
 
 
-def _step(spec: models.ModelSpec, config: MemoryConfig | None):
+def _step(spec: litgpt_models.ModelSpec, config: MemoryConfig | None):
     """One step as the benchmarks run it (the GPT jitted, eager cross-entropy on its logits), and the estimate of
     the step with the AdamW state it will hold."""
     torch.manual_seed(0)
     gpt = GPT(spec.config()).to(torch.bfloat16)
     transform = FSDPMemoryTransform(config) if config is not None else None
     jitted = thunder.jit(gpt, transforms=[transform] if transform is not None else [])
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
     logits = jitted(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()

@@ -8,14 +8,14 @@ import thunder
 import torch
 from thunder.core.pytree import tree_flatten
 
-from benchmarks.cast_check import UNARY_OPS, differ, every_value, small_lengths
+from benchmarks.correctness.cast_check import UNARY_OPS, differ, every_value, small_lengths
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis import device
 from thunder_fsdp_mem.analysis import symbols as ops
 from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes import casts
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 TORCH_OPS = {
     **UNARY_OPS,
@@ -152,9 +152,9 @@ def test_the_transform_folds_and_keeps_every_bit():
         MemoryConfig(fold_casts=False, chunk_loss=False, strict=True),
         MemoryConfig(chunk_loss=False, strict=True),
     ):
-        model = models.build(spec, dtype=torch.bfloat16)
+        model = litgpt_models.build(spec, dtype=torch.bfloat16)
         jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])
-        loss = jitted(*models.batch(spec))
+        loss = jitted(*litgpt_models.batch(spec))
         loss.backward()
         traces = thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
         results.append((loss.detach(), [p.grad for p in jitted.parameters()], traces))

@@ -12,8 +12,8 @@ import thunder
 import torch
 
 from support import memtracker_peak
-from thunder_fsdp_mem.training import models
-from thunder_fsdp_mem.cli import main
+from thunder_fsdp_mem.training import litgpt_models
+from thunder_fsdp_mem.cli.commands import main
 
 SMALL = ["--model", "pythia-14m", "--n-layers", "1", "--block-size", "32", "--mode", "jit", "--device", "cpu"]
 PYTHIA_64 = "report --model pythia-14m --n-layers 1 --block-size 64 --mode jit".split()
@@ -103,11 +103,11 @@ def test_report_peak_matches_a_measured_cpu_run(tmp_path, capsys):
     # on its logits, the backward, AdamW's step with its state from a first step), measured by MemTracker.
     from litgpt import GPT
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
     torch.manual_seed(0)
     jitted = thunder.jit(GPT(spec.config()).to(torch.bfloat16))
     optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
 
     held = []  # the logits stay referenced through the backward, as in modes.Trainer.step
 
@@ -145,11 +145,11 @@ def test_a_loss_in_the_trace_is_chunked_and_predicted_as_a_cpu_run_measures_it(t
 
     from litgpt import GPT
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=512)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=512)
     torch.manual_seed(0)
     jitted = thunder.jit(LossModel(GPT(spec.config()).to(torch.bfloat16)), transforms=[FSDPMemoryTransform()])
     optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-4)
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
 
     def whole_step(idx, targets):
         jitted(idx, targets).backward()
@@ -265,8 +265,8 @@ def test_a_model_thunder_cannot_trace_is_said_so_in_one_line(capsys):
 
 def test_a_prediction_beyond_the_device_says_so(capsys):
     # 8 sequences of 2^20 tokens (the longest --block-size takes): the logits alone are 2^23 x 50304 x 2 bytes,
-    # 0.8 TB (no host memory for the batch: models.batch on meta makes shapes only).
-    idx, _ = models.batch(models.ModelSpec(name="pythia-14m", block_size=10**9), device="meta")
+    # 0.8 TB (no host memory for the batch: litgpt_models.batch on meta makes shapes only).
+    idx, _ = litgpt_models.batch(litgpt_models.ModelSpec(name="pythia-14m", block_size=10**9), device="meta")
     assert idx.shape == (1, 10**9) and idx.device.type == "meta"
     assert (
         main([*"report --model pythia-14m --n-layers 1 --block-size 1048576 --micro-batch-size 8 --mode jit".split()])
@@ -336,7 +336,7 @@ def test_fusion_rematerialize_is_on_by_default_and_plans_fsdp2s_fused_blocks_to_
 
 
 def test_a_memory_cap_replays_the_caching_allocator(tmp_path, capsys):
-    from thunder_fsdp_mem.analysis.allocator import rounded
+    from thunder_fsdp_mem.analysis.snapshot import aligned as rounded
 
     out = tmp_path / "r.json"
     assert (

@@ -1,5 +1,5 @@
-"""``python -m benchmarks.compare`` on CPU: every mode but the CUDA-only one runs and is measured (the allocations
-torch's profiler records, 2 gloo ranks); bad input exits 2 with one line."""
+"""``python -m benchmarks.performance.compare`` on CPU: every mode but the CUDA-only one runs and is measured (the
+allocations torch's profiler records, 2 gloo ranks); bad input exits 2 with one line."""
 
 import json
 import subprocess
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks.compare_table import merge
+from benchmarks.performance.compare_table import merge
 from support import ROOT
 
 CPU = "--device cpu --nproc-per-node 2 --model pythia-14m".split()  # 2 gloo ranks, a small model
@@ -15,14 +15,18 @@ CPU = "--device cpu --nproc-per-node 2 --model pythia-14m".split()  # 2 gloo ran
 
 def _run(*args, timeout=1500):
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks.compare", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "benchmarks.performance.compare", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def _reported_plans(mode: str, tmp_path, *options: str) -> list[dict]:
     """``thunder-fsdp-mem report --transform`` of the comparison's configuration in ``mode`` over 2 fake ranks: the
     plan without the transform, then with it."""
-    from thunder_fsdp_mem.cli import main
+    from thunder_fsdp_mem.cli.commands import main
 
     out = tmp_path / "report.json"
     report = "report --model pythia-14m --n-layers 2 --block-size 128 --world-size 2 --shard zero2 --device cpu"
@@ -211,7 +215,7 @@ def test_an_oom_row_keeps_the_most_any_rank_held():
 
 
 def test_help_lists_every_mode_with_what_it_runs_and_each_default():
-    from benchmarks.compare import parser
+    from benchmarks.performance.compare import parser
     from thunder_fsdp_mem.training.modes import valid_modes
 
     text = parser().format_help()
@@ -225,7 +229,7 @@ def test_help_lists_every_mode_with_what_it_runs_and_each_default():
 def test_the_summary_table_never_shortens_a_figure():
     # compare's summary is a Markdown table: cells are written whole, whatever the terminal's width (it wraps
     # lines; nothing is cut with an ellipsis), each figure in its unit
-    from benchmarks.compare_table import row, table
+    from benchmarks.performance.compare_table import row, table
 
     rows = [
         row(

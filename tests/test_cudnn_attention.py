@@ -11,7 +11,7 @@ from thunder.core import devices
 from thunder.core.proxies import TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
-from thunder_fsdp_mem.training import cudnn_attention, models, runtime
+from thunder_fsdp_mem.training import cudnn_attention, litgpt_models, runtime
 from thunder_fsdp_mem.predict.emulate import trace_step
 
 
@@ -58,7 +58,7 @@ def test_on_the_cpu_it_claims_nothing_and_thunder_runs_as_without_it():
 
 
 def test_a_cuda_prediction_saves_and_peaks_as_with_the_flash_kernel(monkeypatch):
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
     with_cudnn = trace_step(spec, device_type="cuda", executors="fused")
     forward, backward = with_cudnn.forward.symbols, with_cudnn.backward.symbols
     assert cudnn_attention.FORWARD in forward and cudnn_attention.BACKWARD in backward

@@ -9,7 +9,9 @@ from thunder.core.trace import from_trace
 
 from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes import reorder
-from thunder_fsdp_mem.passes.driver import Outcome, Pair, Pass, PassError, Proposal, run_passes
+from thunder_fsdp_mem.config import MemoryConfig
+from thunder_fsdp_mem.passes.declaration import Declaration, Scope
+from thunder_fsdp_mem.passes.driver import Outcome, Pair, PassError, Proposal, run_passes
 
 KB256 = 256 * 256 * 4  # one float32 [256, 256] tensor
 
@@ -29,6 +31,13 @@ def pair():
     return Pair(thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1])
 
 
+def _pass(name, run, after=None):
+    """A pass as the transform gives one to the driver: declared (on the pair, no switches), then bound."""
+    return Declaration(name, (), Scope.PAIR, lambda pair, context, config: run(pair, context), after=after).bound(
+        MemoryConfig()
+    )
+
+
 def _collect(calls):
     return lambda name, reason: calls.append((name, reason))
 
@@ -36,7 +45,7 @@ def _collect(calls):
 def test_a_pass_that_changes_nothing_is_recorded_without_an_estimate(pair):
     calls = []
     out, records = run_passes(
-        pair, [Pass("nothing", lambda p, c: Proposal(p.forward, p.backward))], on_refused=_collect(calls)
+        pair, [_pass("nothing", lambda p, c: Proposal(p.forward, p.backward))], on_refused=_collect(calls)
     )
     assert out is pair and calls == []
     (r,) = records
@@ -56,10 +65,10 @@ def test_refusals_leave_the_pair_and_the_next_pass_runs(pair):
 
     calls = []
     passes = [
-        Pass("confused", confused),
-        Pass("broken", broken),
-        Pass("after broken", confused, after="broken"),
-        Pass("nothing", lambda p, c: Proposal(p.forward, p.backward)),
+        _pass("confused", confused),
+        _pass("broken", broken),
+        _pass("after broken", confused, after="broken"),
+        _pass("nothing", lambda p, c: Proposal(p.forward, p.backward)),
     ]
     out, records = run_passes(pair, passes, on_refused=_collect(calls))
     assert out is pair
@@ -82,13 +91,13 @@ def test_a_rewrite_that_raises_the_peak_is_kept_out_and_one_that_lowers_it_is_ap
     assert order != "as given"
     calls = []
     lowered, records = run_passes(
-        pair, [Pass("better", lambda p, c: Proposal(better, p.backward))], on_refused=_collect(calls)
+        pair, [_pass("better", lambda p, c: Proposal(better, p.backward))], on_refused=_collect(calls)
     )
     (applied,) = records
     assert applied.outcome is Outcome.APPLIED and lowered.forward is better
     assert (applied.peak_before, applied.peak_after) == (6 * KB256 + 4, 5 * KB256 + 4)
     back, records = run_passes(
-        lowered, [Pass("worse", lambda p, c: Proposal(forward, p.backward))], on_refused=_collect(calls)
+        lowered, [_pass("worse", lambda p, c: Proposal(forward, p.backward))], on_refused=_collect(calls)
     )
     (kept_out,) = records
     assert kept_out.outcome is Outcome.RAISES_PEAK and back is lowered and calls == []
@@ -108,7 +117,7 @@ def test_a_rewrite_that_misses_the_cap_by_more_is_kept_out(pair):
 
     records = run_passes(
         pair,
-        [Pass("better", lambda p, c: Proposal(better, p.backward))],
+        [_pass("better", lambda p, c: Proposal(better, p.backward))],
         on_refused=_collect([]),
         shortfall=cap_shortfall,
     )[1]
@@ -117,7 +126,7 @@ def test_a_rewrite_that_misses_the_cap_by_more_is_kept_out(pair):
     assert (kept_out.peak_before, kept_out.peak_after) == (thunders, 5 * KB256 + 4)
     applied, records = run_passes(
         pair,
-        [Pass("better", lambda p, c: Proposal(better, p.backward))],
+        [_pass("better", lambda p, c: Proposal(better, p.backward))],
         on_refused=_collect([]),
         shortfall=lambda step: 512 - cap_shortfall(step),
     )

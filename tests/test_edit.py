@@ -12,14 +12,14 @@ from thunder.executors.passes import del_last_used
 from configs import BY_NAME
 from thunder_fsdp_mem.analysis.symbols import without_dels
 from thunder_fsdp_mem.passes.edit import dels_at_last_use, rebuilt
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 @pytest.fixture(scope="module")
 def plain_traces():
     spec = dataclasses.replace(BY_NAME["neox"], n_layers=1)
-    jitted = thunder.jit(models.build(spec, dtype=torch.float32))
-    jitted(*models.batch(spec)).backward()
+    jitted = thunder.jit(litgpt_models.build(spec, dtype=torch.float32))
+    jitted(*litgpt_models.batch(spec)).backward()
     return thunder.last_traces(jitted)[-1], thunder.last_backward_traces(jitted)[-1]
 
 

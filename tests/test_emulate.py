@@ -8,15 +8,15 @@ import torch
 from configs import BY_NAME
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.predict import emulate, meta
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 
 def _attention_symbols(device_type: str) -> set[str]:
     """The sdpa executor's symbols in the forward of a 1-block model traced on meta for ``device_type``."""
     spec = BY_NAME["neox"]
     with meta.attention_as_on(device_type):
-        jitted = thunder.jit(models.build(spec, dtype=torch.bfloat16, device="meta"))
-        jitted(*models.batch(spec, device="meta")).backward()
+        jitted = thunder.jit(litgpt_models.build(spec, dtype=torch.bfloat16, device="meta"))
+        jitted(*litgpt_models.batch(spec, device="meta")).backward()
     return {b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols if "sdpa" in b.sym.name}
 
 
@@ -35,7 +35,7 @@ def test_fake_ranks_shard_like_real_ones():
     # divisible by 4), and the estimate's parameters are those shards, beside the unsharded buffers (RoPE's
     # cos and sin).
     spec = BY_NAME["llama"]
-    model = models.build(spec, dtype=torch.bfloat16, device="meta")
+    model = litgpt_models.build(spec, dtype=torch.bfloat16, device="meta")
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     step = emulate.trace_step(spec, mode="thunder-fsdp", shard="zero3", world_size=4, device_type="cpu")
@@ -57,8 +57,8 @@ def _fusions(device_type: str) -> set[str]:
     spec = BY_NAME["neox"]
     chosen = runtime.executors("default+cat")
     with meta.attention_as_on(device_type), meta.executors_as_on(device_type, chosen):
-        jitted = thunder.jit(models.build(spec, dtype=torch.bfloat16, device="meta"), executors=chosen)
-        jitted(*models.batch(spec, device="meta")).backward()
+        jitted = thunder.jit(litgpt_models.build(spec, dtype=torch.bfloat16, device="meta"), executors=chosen)
+        jitted(*litgpt_models.batch(spec, device="meta")).backward()
     return {b.sym.name for b in thunder.last_traces(jitted)[-1].bound_symbols if b.sym.is_fusion}
 
 

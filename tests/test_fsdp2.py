@@ -11,10 +11,10 @@ import torch
 from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.step import Stage
+from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict import fsdp2
-from thunder_fsdp_mem.analysis.allocator import over_cap, replay_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap, replay_step
+from thunder_fsdp_mem.training import litgpt_models
 
 WORLD = 2
 
@@ -30,7 +30,7 @@ def steps():
 
 
 def _full_bytes():
-    gpt = models.build(BY_NAME["neox"], device="meta").gpt
+    gpt = litgpt_models.build(BY_NAME["neox"], device="meta").gpt
     units = {
         "wte": gpt.transformer.wte,
         "ln_f": gpt.transformer.ln_f,
@@ -50,7 +50,7 @@ def _bytes(allocations, category, name_part=""):
 
 def test_persistent_state_is_the_shards_and_their_adam_moments(steps):
     full = sum(_full_bytes().values())
-    parameters = len(list(models.build(BY_NAME["neox"], device="meta").gpt.parameters()))
+    parameters = len(list(litgpt_models.build(BY_NAME["neox"], device="meta").gpt.parameters()))
     for step in steps.values():  # on CPU AdamW's float32 step count of each parameter is on the device too
         assert step.optimizer_state_bytes == 2 * full // WORLD + 4 * parameters
         assert step.gradient_bytes == full // WORLD  # the sharded gradients after the backward
@@ -106,7 +106,7 @@ def test_bad_input_is_refused():
         fsdp2.compose_step(BY_NAME["neox"], world_size=2, shard="zero1")
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         fsdp2.compose_step(BY_NAME["neox"], world_size=0, shard="zero2")
-    gemma2 = models.ModelSpec(name="Gemma-2-2b", n_layers=1, block_size=16)
+    gemma2 = litgpt_models.ModelSpec(name="Gemma-2-2b", n_layers=1, block_size=16)
     with pytest.raises(NotImplementedError, match="final_logit_softcapping"):
         fsdp2.compose_step(gemma2, world_size=2, shard="zero2", device_type="cpu")
     assert not torch.distributed.is_initialized()

@@ -23,7 +23,7 @@ from thunder_fsdp_mem.analysis.symbols import is_fusion
 from thunder_fsdp_mem.config import DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import trace_step
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 SPEC = dataclasses.replace(BY_NAME["neox"], n_layers=1)
 CPU = runtime.Rank(0, 1, torch.device("cpu"))
@@ -31,7 +31,7 @@ CPU = runtime.Rank(0, 1, torch.device("cpu"))
 
 def _step(mode: str):
     trainer = modes.build(mode, SPEC, CPU, executors="fused", dtype=torch.bfloat16)
-    idx, targets = models.batch(SPEC)
+    idx, targets = litgpt_models.batch(SPEC)
     logits = trainer.model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     loss.backward()

@@ -23,12 +23,12 @@ from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
+from thunder_fsdp_mem.passes import fusions, mincut, plan_rewrite
 from thunder_fsdp_mem.passes.mincut import saved_tensors
 from thunder_fsdp_mem.predict.meta import as_on
-from thunder_fsdp_mem.passes import fusions, recompute
 from thunder_fsdp_mem.passes.pipeline import FUSIONS, pipeline
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 GRADIENT_TOLERANCE = 1e-5  # of each gradient's largest element (measured: at most 5e-7, kernels of another order)
 
@@ -36,12 +36,12 @@ GRADIENT_TOLERANCE = 1e-5  # of each gradient's largest element (measured: at mo
 @pytest.mark.parametrize("family", ["neox", "llama", "gemma"])
 def test_the_default_transforms_gradients_are_eagers_in_float32(family):
     spec = dataclasses.replace(BY_NAME[family], n_layers=1)
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
     transform = FSDPMemoryTransform()
 
     def step(compiled: bool):
         torch.manual_seed(0)
-        gpt = models.build(spec, dtype=torch.float32).gpt
+        gpt = litgpt_models.build(spec, dtype=torch.float32).gpt
         if compiled:  # each block alone, as FSDP2's graph breaks leave it
             backend = ThunderCompiler(
                 executors=[upstream().cpu_attention, *runtime.executors("fused")], transforms=[transform]
@@ -80,7 +80,7 @@ def block():
 
     from thunder_fsdp_mem.predict.meta import as_on
 
-    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=256)
+    spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=256)
     chosen = runtime.executors("fused")
 
     def block_traces(fixed: bool):
@@ -89,7 +89,7 @@ def block():
             with torch.device("meta"):
                 gpt = GPT(spec.config())
             gpt = gpt.to(torch.bfloat16)
-            idx, _ = models.batch(spec, device="meta")
+            idx, _ = litgpt_models.batch(spec, device="meta")
             cos, sin = gpt.cos[:256].unsqueeze(0), gpt.sin[:256].unsqueeze(0)
             x = gpt.transformer.wte(idx).detach().requires_grad_(True)
             torch._dynamo.reset()
@@ -110,11 +110,11 @@ def test_a_thunderfx_block_as_on_cuda_saves_what_thunder_means_it_to(block):
     spec, chosen, forward, backward, (meant, _) = block
     with as_on("cuda", chosen):
         new_forward, new_backward, less = fusions.into_consumers(forward, backward)
-    saved = recompute.saved_tensors(new_forward)
-    assert less > 0 and sum(nbytes(t) for t in saved) == sum(nbytes(t) for t in recompute.saved_tensors(meant))
+    saved = mincut.saved_tensors(new_forward)
+    assert less > 0 and sum(nbytes(t) for t in saved) == sum(nbytes(t) for t in mincut.saved_tensors(meant))
     T = spec.block_size
     assert not [t.name for t in saved if t.dtype == thunder.dtypes.float32 and t.numel() > T * 32]  # lse: (1, 32, T)
-    assert recompute.received(new_backward) == [t.name for t in saved]
+    assert plan_rewrite.received(new_backward) == [t.name for t in saved]
 
 
 def test_on_a_fixed_thunders_block_as_on_cuda_the_pass_moves_nothing(block):
@@ -151,7 +151,7 @@ def _saved_square(spec, config: MemoryConfig) -> list[tuple[int, ...]]:
         with torch.device("meta"):
             model = LossModel(spec.gpt()).to(torch.bfloat16)
         jitted = thunder.jit(model, executors=chosen, transforms=[FSDPMemoryTransform(config)])
-        idx, targets = models.batch(spec, device="meta")
+        idx, targets = litgpt_models.batch(spec, device="meta")
         jitted(idx, targets).backward()
     T = spec.block_size
     return [tuple(t.shape) for t in saved_tensors(thunder.last_traces(jitted)[-1]) if tuple(t.shape[-2:]) == (T, T)]
@@ -165,7 +165,7 @@ def test_soft_capped_attention_saves_no_t_by_t_tensor_at_8192_tokens():
 
 def test_soft_capped_attentions_scores_computed_again_give_eagers_gradients_in_float32():
     spec = _capped(2, 256)  # long enough that (T, T) outweighs the (T, 4 x 32) query and key it comes from
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
     transform = FSDPMemoryTransform()
 
     def step(compiled: bool):

@@ -1,4 +1,4 @@
-"""The chunked linear cross-entropy (``loss.operator``, ``loss.rewrite``, ``loss.model``, ``passes.chunks``,
+"""The chunked linear cross-entropy (``loss.operator``, ``loss.rewrite``, ``loss.modules``, ``passes.chunks``,
 ``analysis.chunked_loss``): loss and every gradient against eager PyTorch on litgpt families with a soft-capped head,
 a biased head, tied weights and ignored tokens, in several uneven chunks; the trace holds no logits; what it leaves
 alone; the workspace the estimator counts against what the allocator sees; the chunk count the pass chooses.
@@ -27,12 +27,12 @@ from thunder_fsdp_mem.loss import operator
 from thunder_fsdp_mem.loss.rewrite import rewrite_losses
 from thunder_fsdp_mem.passes import chunks as chunks_pass
 from thunder_fsdp_mem.predict.cpu_memory import CPUMemory
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 TINY = (("n_embd", 64), ("n_head", 2), ("head_size", 32), ("intermediate_size", 128))
 SPECS = {
     "softcap-tied": SOFTCAP_TIED,  # gemma-2: soft-capped logits, tied embedding and head
-    "biased-head": models.ModelSpec(
+    "biased-head": litgpt_models.ModelSpec(
         name="phi-2", n_layers=1, block_size=128, overrides=TINY + (("padded_vocab_size", 512), ("vocab_size", 512))
     ),
     "llama": dataclasses.replace(BY_NAME["llama"], n_layers=1),
@@ -99,10 +99,10 @@ def test_loss_and_every_gradient_in_uneven_chunks_match_eager(family):
     idx, targets = _targets(spec)
     for dtype in (torch.float32, torch.bfloat16):
         # bf16: against Thunder's unchunked step, which already rounds unlike eager in the rest of the model
-        model = models.build(spec, dtype=dtype)
+        model = litgpt_models.build(spec, dtype=dtype)
         reference = _step(model if dtype == torch.float32 else thunder.jit(model), idx, targets)
         transform = _Chunked(3)  # 256 rows in chunks of 86, 86 and 84
-        jitted = thunder.jit(models.build(spec, dtype=dtype), transforms=[transform])
+        jitted = thunder.jit(litgpt_models.build(spec, dtype=dtype), transforms=[transform])
         chunked = _step(jitted, idx, targets)
         _assert_close(reference, chunked, dtype)
         assert len(transform.found) == 1 and transform.found[0].chunks == 3
@@ -120,9 +120,9 @@ def test_loss_and_every_gradient_in_uneven_chunks_match_eager(family):
 def test_the_default_transform_chunks_the_loss_within_tolerance():
     spec = SPECS["softcap-tied"]
     idx, targets = _targets(spec)
-    eager = _step(models.build(spec, dtype=torch.float32), idx, targets)
+    eager = _step(litgpt_models.build(spec, dtype=torch.float32), idx, targets)
     transform = FSDPMemoryTransform(strict=True)
-    chunked = _step(thunder.jit(models.build(spec, dtype=torch.float32), transforms=[transform]), idx, targets)
+    chunked = _step(thunder.jit(litgpt_models.build(spec, dtype=torch.float32), transforms=[transform]), idx, targets)
     _assert_close(eager, chunked, torch.float32)
     assert [r.pass_name for r in transform.rewrites][:1] == ["chunked loss"]
     assert "f32 logits (256, 512)" in transform.summary() and "soft-capped at 30" in transform.summary()
@@ -134,8 +134,10 @@ def test_every_token_ignored_gives_torchs_nan_and_finite_gradients():
     spec = SPECS["llama"]
     idx, _ = _targets(spec)
     targets = torch.full_like(idx, -100)
-    eager_loss, _ = _step(models.build(spec, dtype=torch.float32), idx, targets)
-    loss, grads = _step(thunder.jit(models.build(spec, dtype=torch.float32), transforms=[_Chunked(2)]), idx, targets)
+    eager_loss, _ = _step(litgpt_models.build(spec, dtype=torch.float32), idx, targets)
+    loss, grads = _step(
+        thunder.jit(litgpt_models.build(spec, dtype=torch.float32), transforms=[_Chunked(2)]), idx, targets
+    )
     assert torch.isnan(eager_loss) and torch.isnan(loss)
     assert all(torch.isfinite(g).all() for g in grads.values())
 
@@ -209,7 +211,7 @@ def test_the_summary_says_which_loss_it_left_and_why():
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets[..., 1:].reshape(-1))
 
     transform = FSDPMemoryTransform()
-    model = _UserLoss(models.build(spec, dtype=torch.float32).gpt, shifted)
+    model = _UserLoss(litgpt_models.build(spec, dtype=torch.float32).gpt, shifted)
     _step(thunder.jit(model, transforms=[transform]), idx, targets)
     summary = transform.summary()
     assert "chunked loss: left as it was: cross_entropy not chunked: the logits pass through getitem" in summary
@@ -287,8 +289,8 @@ def long_step():
     spec = dataclasses.replace(
         neox, n_layers=1, block_size=1024, overrides=neox.overrides + (("padded_vocab_size", 16384),)
     )
-    model = models.build(spec, dtype=torch.float32)
-    idx, targets = models.batch(spec)
+    model = litgpt_models.build(spec, dtype=torch.float32)
+    idx, targets = litgpt_models.batch(spec)
     transform = FSDPMemoryTransform()
     jitted = thunder.jit(model, transforms=[transform])
     return jitted, transform, idx, targets
@@ -320,7 +322,7 @@ def test_the_estimate_of_the_chunked_step_is_what_memtracker_measures(long_step)
 def test_loss_model_is_the_model_and_its_loss():
     spec = SPECS["softcap-tied"]
     idx, targets = _targets(spec)
-    model = models.build(spec, dtype=torch.float32)
+    model = litgpt_models.build(spec, dtype=torch.float32)
     assert isinstance(model, LossModel)
     logits = model.gpt(idx)
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -351,14 +353,18 @@ def test_a_loss_the_rewrite_does_not_understand_is_left_as_it_was(monkeypatch):
     monkeypatch.setattr("thunder_fsdp_mem.transform.rewrite_losses", broken)
     spec = SPECS["llama"]
     idx, targets = _targets(spec)
-    eager = _step(models.build(spec, dtype=torch.float32), idx, targets)
+    eager = _step(litgpt_models.build(spec, dtype=torch.float32), idx, targets)
     with pytest.warns(UserWarning, match="pass 'chunked loss' refused.*a form never seen"):
         plain = _step(
-            thunder.jit(models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform()]), idx, targets
+            thunder.jit(litgpt_models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform()]),
+            idx,
+            targets,
         )
     _assert_close(eager, plain, torch.float32)
     with pytest.raises(RuntimeError, match="a form never seen"):
-        strict = thunder.jit(models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform(strict=True)])
+        strict = thunder.jit(
+            litgpt_models.build(spec, dtype=torch.float32), transforms=[FSDPMemoryTransform(strict=True)]
+        )
         strict(idx, targets)
 
 
@@ -397,7 +403,7 @@ def test_a_head_run_in_chunks_is_said_with_the_option_that_lets_it_be_chunked(ch
         return chunked_cross_entropy(gpt(idx, lm_head_chunk_size=64), targets, chunk_size=chunk_size)
 
     transform = FSDPMemoryTransform()
-    model = _UserLoss(models.build(spec, dtype=torch.float32).gpt, chunked_head)
+    model = _UserLoss(litgpt_models.build(spec, dtype=torch.float32).gpt, chunked_head)
     _step(thunder.jit(model, transforms=[transform]), idx, targets)
     assert "the head runs in chunks" in transform.summary() and "lm_head_chunk_size=0" in transform.summary()
 
@@ -407,7 +413,7 @@ def test_a_loss_computed_after_the_compiled_model_is_said_with_what_its_logits_h
     spec = SPECS["biased-head"]  # a vocabulary 8 times the width, as heads are (49152 for 2560 in stablecode-3b)
     idx, targets = _targets(spec)
     transform = FSDPMemoryTransform()
-    gpt = thunder.jit(models.build(spec, dtype=torch.float32).gpt, transforms=[transform])
+    gpt = thunder.jit(litgpt_models.build(spec, dtype=torch.float32).gpt, transforms=[transform])
     logits = gpt(idx)
     F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
     rows, vocab = idx.numel(), logits.size(-1)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from support import ROOT
-from thunder_fsdp_mem.cli import main
+from thunder_fsdp_mem.cli.commands import main
 
 SMALL = ["--model", "pythia-14m", "--n-layers", "2", "--block-size", "64", "--device", "cpu"]
 

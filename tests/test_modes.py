@@ -9,14 +9,14 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from configs import BY_NAME, SOFTCAP_TIED
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 CPU = runtime.Rank(0, 1, torch.device("cpu"))
 SPEC = dataclasses.replace(BY_NAME["llama"], n_layers=2, block_size=32)
 
 
 def test_checkpointed_blocks_compute_what_the_plain_model_computes():
-    idx, targets = models.batch(SPEC)
+    idx, targets = litgpt_models.batch(SPEC)
     plain = modes.build("eager", SPEC, CPU, dtype=torch.float32)
     checkpointed = modes.build("inductor+ckpt", SPEC, CPU, dtype=torch.float32)
     assert all(isinstance(b, CheckpointWrapper) for b in checkpointed.model._orig_mod.transformer.h)
@@ -41,7 +41,7 @@ def test_the_activation_memory_budget_is_torch_compiles():
 
 @pytest.mark.parametrize("loss", ["trace", "view", "litgpt"])
 def test_the_losses_compiled_with_the_model_are_the_cross_entropy_of_its_logits(loss):
-    idx, targets = models.batch(SPEC)
+    idx, targets = litgpt_models.batch(SPEC)
     trainer = modes.build("eager", SPEC, CPU, dtype=torch.float32, loss=loss)
     gpt = modes._gpt(SPEC, CPU, torch.float32)  # the same seed: the same weights
     logits = gpt(idx)
@@ -62,5 +62,5 @@ def test_a_spec_with_vectorized_window_masks_gives_the_same_model_with_the_fixed
     vectorized = fixed.gpt()
     assert any(isinstance(m, WindowMaskAttention) for m in vectorized.modules())
     assert not any(isinstance(m, WindowMaskAttention) for m in plain.modules())
-    idx, _ = models.batch(spec)
+    idx, _ = litgpt_models.batch(spec)
     assert torch.equal(plain(idx), vectorized(idx))

@@ -1,5 +1,5 @@
-"""The OpInfo sweep's fast subset (``benchmarks/opinfo_sweep.py``): ops the cast folding rewrites, at small odd
-lengths where ATen's CPU kernels run their scalar tails, jitted with and without the transform and compared bit
+"""The OpInfo sweep's fast subset (``benchmarks/correctness/opinfo_sweep.py``): ops the cast folding rewrites, at small
+odd lengths where ATen's CPU kernels run their scalar tails, jitted with and without the transform and compared bit
 for bit; and the same check catching a fold that is wrong there (CPU ``rsqrt``, out of the table, put back)."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import opinfo_sweep
+from benchmarks.correctness import opinfo_sweep
 from thunder_fsdp_mem.passes import casts
 
 FOLDED = ("exp", "sigmoid", "sqrt", "sin", "true_divide", "mul")

@@ -12,7 +12,7 @@ from configs import BY_NAME
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.optimizer import adam_state, adam_step_bytes, anticipated_adamw_step, parameter_order
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 def test_adam_state_by_hand():
@@ -54,9 +54,9 @@ def test_a_budget_counts_adamws_step_as_estimate_step_does():
     )
 
     def step(config):
-        model = models.build(spec, dtype=torch.float32).gpt
+        model = litgpt_models.build(spec, dtype=torch.float32).gpt
         jitted = thunder.jit(model, transforms=[FSDPMemoryTransform(config)] if config else [])
-        idx, targets = models.batch(spec)
+        idx, targets = litgpt_models.batch(spec)
         logits = jitted(idx)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1)).backward()
         return jitted, model

@@ -1,6 +1,6 @@
 """phases: a step's phases and its memory, on a hand-built timeline with hand-computed figures."""
 
-from thunder_fsdp_mem.analysis.allocations import Allocation, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import Allocation, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.holdings import held_allocation
 from thunder_fsdp_mem.analysis.phases import Phase, Stage, step_memory

@@ -8,7 +8,7 @@ import torch
 from configs import BY_NAME
 from support import torchrun
 from thunder_fsdp_mem import MemoryConfig, plan_fsdp2
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +34,10 @@ def test_the_spec_of_a_litgpt_config_is_the_config():
     from litgpt import Config
 
     config = Config.from_name("pythia-14m", n_layer=3, n_embd=64, intermediate_size=128)
-    spec = models.ModelSpec.from_config(config, block_size=128)
+    spec = litgpt_models.ModelSpec.from_config(config, block_size=128)
     assert spec.config() == Config.from_name("pythia-14m", n_layer=3, n_embd=64, intermediate_size=128, block_size=128)
     with pytest.raises(ValueError, match="not known by name"):
-        models.ModelSpec.from_config(Config(name="mine", n_layer=1, n_embd=64, n_head=4), block_size=16)
+        litgpt_models.ModelSpec.from_config(Config(name="mine", n_layer=1, n_embd=64, n_head=4), block_size=16)
 
 
 def test_bad_input_is_refused():

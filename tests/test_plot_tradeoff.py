@@ -1,5 +1,5 @@
-"""benchmarks/plot_tradeoff.py: the points of several runs of one configuration, by family and highest peak first,
-against hand-written rows; runs of different configurations, or a file that is not JSON, exit 2 with one line."""
+"""benchmarks/performance/plot_tradeoff.py: the points of several runs of one configuration, by family and highest peak
+first, against hand-written rows; runs of different configurations, or a file that is not JSON, exit 2 with one line."""
 
 import json
 import subprocess
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from benchmarks import plot_tradeoff
+from benchmarks.performance import plot_tradeoff
 from support import ROOT
 
-SCRIPT = [sys.executable, "-m", "benchmarks.plot_tradeoff"]  # run from the repository root
+SCRIPT = [sys.executable, "-m", "benchmarks.performance.plot_tradeoff"]  # run from the repository root
 GIB = 2**30
 CONFIG = {
     "model": "m",

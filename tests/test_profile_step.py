@@ -1,12 +1,12 @@
-"""benchmarks/profile_step.py: a step's phases as the profiler sees them. The ops of an eager step land in the
-phase that ran them, by the op names torch's own profiler records; kernels are named by kind."""
+"""benchmarks/performance/profile_step.py: a step's phases as the profiler sees them. The ops of an eager step land in
+the phase that ran them, by the op names torch's own profiler records; kernels are named by kind."""
 
 from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks import profile_step
+from benchmarks.performance import profile_step
 
 
 def test_each_op_of_a_step_lands_in_the_phase_that_ran_it():

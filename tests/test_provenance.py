@@ -13,9 +13,9 @@ from thunder_fsdp_mem.analysis import provenance
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.predict.emulate import trace_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
-SPEC = models.ModelSpec(name="pythia-14m", n_layers=2, block_size=64)
+SPEC = litgpt_models.ModelSpec(name="pythia-14m", n_layers=2, block_size=64)
 BARE = re.compile(r"[a-z_]{1,4}\d+")  # a name Thunder made up (t521, ft2434)
 
 

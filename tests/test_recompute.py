@@ -1,5 +1,5 @@
-"""recompute.plan_saved / apply_plan (``mincut``, ``plan_rewrite``) on a small hand-checked program: what Thunder
-saves, what the cut saves instead (figures computed by hand), and that the rewritten pair runs to the same results."""
+"""mincut.plan_saved / plan_rewrite.apply_plan on a small hand-checked program: what Thunder saves, what the cut saves
+instead (figures computed by hand), and that the rewritten pair runs to the same results."""
 
 import pytest
 import thunder
@@ -12,10 +12,10 @@ from thunder.extend import OperatorExecutor
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.cost import op_traffic
 from thunder_fsdp_mem.analysis.symbols import is_copy_into, is_fusion
-from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite, recompute
+from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import plan_step
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 
 def f(x, w):
@@ -35,10 +35,10 @@ def traces():
 
 def test_the_cut_saves_the_bf16_matmul_output_instead_of_the_float32_tanh(traces):
     forward, _, _, _ = traces
-    today = {t.name: t for t in recompute.saved_tensors(forward)}
+    today = {t.name: t for t in mincut.saved_tensors(forward)}
     (tanh_out,) = [t for n, t in today.items() if n not in ("x", "w")]
     assert tanh_out.dtype.bytes == 4 and tuple(tanh_out.shape) == (8, 32)
-    plan = recompute.plan_saved(forward)
+    plan = mincut.plan_saved(forward)
     assert plan.before_bytes == 8 * 32 * 4  # the float32 tanh output
     assert plan.after_bytes == 8 * 32 * 2  # the bf16 matmul output
     symbols = forward.bound_symbols
@@ -61,10 +61,10 @@ def test_a_weight_on_traffic_saves_what_is_dear_to_recompute(traces):
     # the float32 tanh output (1024 bytes) means recomputing nothing. The first wins while 512 + w * 3584 < 1024,
     # that is for w < 1/7.
     forward, _, _, _ = traces
-    cheap = recompute.plan_saved(forward, recompute_weight=0.1)
+    cheap = mincut.plan_saved(forward, recompute_weight=0.1)
     assert (cheap.after_bytes, cheap.traffic_bytes) == (512, 3584)
-    assert cheap == recompute.plan_saved(forward)
-    dear = recompute.plan_saved(forward, recompute_weight=0.2)
+    assert cheap == mincut.plan_saved(forward)
+    dear = mincut.plan_saved(forward, recompute_weight=0.2)
     assert (dear.after_bytes, dear.traffic_bytes, dear.changes) == (1024, 0, False)
 
 
@@ -106,7 +106,7 @@ def test_float32_under_thunder_fsdp_keeps_each_gradient_its_own_reduce_scatter(s
     # alike, each divided and reduce-scattered apart), traced on the meta device over 2 fake ranks. Dropping the
     # second division as a repeat reduce-scattered the first twice: the checks refused the rematerialization, and
     # under ZeRO3 the all-gathers after it.
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=64)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=64)
     options = dict(mode="thunder-fsdp", shard=shard, world_size=2, device_type="cpu", dtype=torch.float32)
     _, transform = plan_step(spec, MemoryConfig(strict=True), **options)  # strict: a refusal raises
     done = {r.pass_name: r.outcome for r in transform.rewrites}
@@ -115,7 +115,7 @@ def test_float32_under_thunder_fsdp_keeps_each_gradient_its_own_reduce_scatter(s
 
 def test_the_rewritten_pair_passes_the_checks_and_computes_the_same_gradients(traces):
     forward, backward, x, w = traces
-    new_forward, new_backward = recompute.apply_plan(forward, backward, recompute.plan_saved(forward))
+    new_forward, new_backward = plan_rewrite.apply_plan(forward, backward, mincut.plan_saved(forward))
     checks.check_rewrite(forward, new_forward, ignore_saved=True)
     checks.check_rewrite(backward, new_backward)
 
@@ -152,7 +152,7 @@ def test_only_cheap_deterministic_ops_are_recomputable():
         return ltorch.matmul(ltorch.tanh(ltorch.to(a, torch.float32)), b), _opaque(a)
 
     trace = thunder.trace()(g, torch.randn(4, 4), torch.randn(4, 4))
-    by_name = {b.sym.name: recompute.recomputable(b) for b in trace.bound_symbols if b.sym.name != "return"}
+    by_name = {b.sym.name: mincut.recomputable(b) for b in trace.bound_symbols if b.sym.name != "return"}
     assert by_name["tanh"] and by_name["to"]
     assert not by_name["matmul"]
     assert not by_name["opaque_twice"]  # a symbol we do not know is never recomputed
@@ -200,9 +200,9 @@ def test_dear_ops_are_recomputed_only_at_a_price_and_attention_only_without_drop
         return cudnn_forward(a, b, c, p, causal, None)
 
     for dear in (linear, attention(0.0), attention(0.0, cudnn)):
-        assert recompute.priced(dear) and not recompute.recomputable(dear)
-    assert not recompute.priced(attention(0.1))  # its random mask would differ in backward
-    assert not recompute.priced(attention(0.1, cudnn))
+        assert mincut.priced(dear) and not mincut.recomputable(dear)
+    assert not mincut.priced(attention(0.1))  # its random mask would differ in backward
+    assert not mincut.priced(attention(0.1, cudnn))
 
 
 def two_blocks(x, w1, w2):
@@ -229,11 +229,11 @@ def test_segments_recompute_each_matmul_from_saved_tensors(chain):
     h1 = forward.bound_symbols[second].flat_proxy_args[0]  # what block 2's matmul reads: tanh(x @ w1)
     # At price 0 the plain cut saves nothing beyond the inputs and rebuilds h1 by running block 1 again, so block 2
     # can only be recomputed after block 1: a chain.
-    plain = recompute.plan_saved(forward, price=0.0)
+    plain = mincut.plan_saved(forward, price=0.0)
     assert plain.after_bytes == 0 and {first, second} <= set(plain.recompute)
     # With segments, h1 (8 x 32 bf16: 512 bytes) is saved instead, and each matmul run again reads saved tensors
     # only (block 1's still runs again, from x and w1, for the float32 tanh its backward reads).
-    segmented = recompute.plan_saved(forward, price=0.0, segments=True)
+    segmented = mincut.plan_saved(forward, price=0.0, segments=True)
     assert h1.name in segmented.saved and segmented.after_bytes == 8 * 32 * 2
     assert second in segmented.recompute
     for i in (first, second):
@@ -241,14 +241,14 @@ def test_segments_recompute_each_matmul_from_saved_tensors(chain):
             a.name in segmented.saved for a in forward.bound_symbols[i].flat_proxy_args
         )
     # Only the expensive ops in `only` may be recomputed: block 2's output is then saved, block 1 recomputed.
-    only_first = recompute.plan_saved(forward, price=0.0, only=frozenset({first}))
+    only_first = mincut.plan_saved(forward, price=0.0, only=frozenset({first}))
     assert first in only_first.recompute and second not in only_first.recompute
 
 
 def test_a_segmented_plan_computes_the_same_gradients(chain):
     forward, backward, _, (x, w1, w2) = chain
-    plan = recompute.plan_saved(forward, price=0.0, segments=True)
-    new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
+    plan = mincut.plan_saved(forward, price=0.0, segments=True)
+    new_forward, new_backward = plan_rewrite.apply_plan(forward, backward, plan)
     checks.check_rewrite(forward, new_forward, ignore_saved=True)
     checks.check_rewrite(backward, new_backward)
 

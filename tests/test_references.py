@@ -6,7 +6,7 @@ from thunder.core.proxies import CollectionProxy, TensorProxy
 from thunder.core.trace import TraceCtx, tracectx
 
 from thunder_fsdp_mem.analysis import layout
-from thunder_fsdp_mem.analysis.allocations import InputSpec
+from thunder_fsdp_mem.analysis.timeline import InputSpec
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.references import References
 

@@ -22,7 +22,7 @@ from thunder_fsdp_mem.analysis.symbols import is_fusion
 from thunder_fsdp_mem.passes.mincut import recomputable
 from thunder_fsdp_mem.passes.regions import opened
 from thunder_fsdp_mem.predict.meta import as_on
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 
 SPEC = dataclasses.replace(NEOX, n_layers=1)  # C 128, 4 heads of 32, MLP 512, T 64
 
@@ -106,7 +106,7 @@ def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():
     # forward saves (beyond its arguments) qkv's output (1, T, 3C), the MLP's first matmul's output (1, T, 4C),
     # the attention's output and log-sum-exp, and the layer norms' statistics: 321 MiB, as with Thunder's default
     # executors, where 561 MiB were saved before (the GELU's output and the rotated query and key, 240 MiB).
-    spec = models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
+    spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
     executors = runtime.executors("fused")
     transform = FSDPMemoryTransform()
     with as_on("cuda", executors):

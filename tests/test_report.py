@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from thunder_fsdp_mem.report import pattern_name
+from thunder_fsdp_mem.report.contents import pattern_name
 
 
 @pytest.mark.parametrize(
@@ -40,10 +40,10 @@ def test_pattern_name(names, expected):
 @pytest.fixture(scope="module")
 def report():
     from thunder_fsdp_mem.predict.emulate import trace_step
-    from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.report.contents import build_report
+    from thunder_fsdp_mem.training import litgpt_models
 
-    step = trace_step(models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
+    step = trace_step(litgpt_models.ModelSpec(name="Llama-3.2-1B", n_layers=2, block_size=4096), mode="jit")
     return build_report(step, title="Llama-3.2-1B, 2 layers, 4096 tokens", top=10)
 
 
@@ -52,7 +52,8 @@ def test_no_figure_is_ever_cut(report, width):
     # Llama-3.2-1B's logits are 1 x 4096 x 128256: the shape and the source lines that were once cut at 180
     # columns. Every field of every row appears whole, at every width: in one table where all fit (250 columns),
     # else in two stacked ones, joined by the row's number.
-    from thunder_fsdp_mem.report import render_text, short_source
+    from thunder_fsdp_mem.report.tables import short_source
+    from thunder_fsdp_mem.report.text import render_text
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(report, width=width)
@@ -74,8 +75,8 @@ def test_a_peak_in_the_eager_loss_is_advised_against_with_its_saving(report):
     # Worked out by hand: the eager cross-entropy holds its log_softmax, the nll_loss gradient and the logits'
     # gradient, each the logits' size (1 x 4096 x 128256 bf16); without them the loss phase is that much lower, and
     # the peak falls to whichever phase is then highest.
-    from thunder_fsdp_mem.analysis.step import Stage
-    from thunder_fsdp_mem.report import render_text
+    from thunder_fsdp_mem.analysis.phases import Stage
+    from thunder_fsdp_mem.report.text import render_text
 
     step = report.shown.step
     assert step.peak_stage is Stage.LOSS
@@ -102,9 +103,9 @@ def test_the_optimizer_state_is_named_alike_in_every_mode():
     from thunder_fsdp_mem.analysis.categories import Category
     from thunder_fsdp_mem.predict.emulate import trace_step
     from thunder_fsdp_mem.predict.fsdp2 import compose_step
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
 
     def state(step):
         return {
@@ -125,17 +126,17 @@ def two_plans():
     """pythia-14m's step without the transform and with it (another number of symbols in each trace)."""
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
-    from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.report.contents import build_report
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
     without = trace_step(spec, mode="jit", device_type="cpu")
     with_it, _ = plan_step(spec, MemoryConfig(), mode="jit", device_type="cpu")
     return build_report(with_it, title="pythia-14m", baseline=without)
 
 
 def test_plot_is_in_the_labels_unit_from_zero_with_the_phases_lined_up(two_plans):
-    from thunder_fsdp_mem.report import plot_figure
+    from thunder_fsdp_mem.report.plot import plot_figure
 
     plans = two_plans.plans
     timelines = [p.step.timeline() for p in plans]
@@ -166,8 +167,8 @@ def test_a_peak_in_the_optimizers_step_is_advised_against_with_its_saving(predic
     # that scaled while lm_head's denominator, the parameter before it, is still bound: three bf16 tensors of
     # 50304 x 128, beside the parameters, gradients and state. Without them the peak falls to the next highest
     # phase at most.
-    from thunder_fsdp_mem.analysis.step import Stage
-    from thunder_fsdp_mem.report import build_report
+    from thunder_fsdp_mem.analysis.phases import Stage
+    from thunder_fsdp_mem.report.contents import build_report
 
     _, step = predicted_step
     assert step.peak_stage is Stage.OPTIMIZER
@@ -184,10 +185,10 @@ def planned():
     # replayed under a cap of the budget, which neither plan's peak meets (each plan's cell: out of memory)
     from thunder_fsdp_mem import MemoryConfig
     from thunder_fsdp_mem.predict.emulate import plan_step, trace_step
-    from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.report.contents import build_report
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name="pythia-14m", n_layers=2, block_size=512)
+    spec = litgpt_models.ModelSpec(name="pythia-14m", n_layers=2, block_size=512)
     baseline = trace_step(spec, mode="jit")
     budget = int(0.9 * baseline.peak_bytes)
     step, transform = plan_step(spec, MemoryConfig(memory_budget=budget), mode="jit")
@@ -199,8 +200,8 @@ def planned():
 
 @pytest.mark.parametrize("width", [80, 120])
 def test_every_figure_of_every_table_appears_whole(planned, width):
-    from thunder_fsdp_mem.report import render_text
-    from thunder_fsdp_mem.report.model import summary_rows
+    from thunder_fsdp_mem.report.text import render_text
+    from thunder_fsdp_mem.report.contents import summary_rows
     from thunder_fsdp_mem.units import format_bytes
 
     text = render_text(planned, width=width)

@@ -9,19 +9,19 @@ import textwrap
 import pytest
 import torch
 
-from thunder_fsdp_mem.cli import main as cli_main
-from thunder_fsdp_mem.run import main
+from thunder_fsdp_mem.cli.commands import main as cli_main
+from thunder_fsdp_mem.run.command import main
 from thunder_fsdp_mem.run.program import run_program
 
 LITGPT = """
     import sys, thunder, torch
     sys.path.insert(0, {tests!r})
     from configs import NEOX
-    from thunder_fsdp_mem.training import models
-    spec = models.ModelSpec(name=NEOX.name, n_layers=1, block_size=NEOX.block_size, overrides=NEOX.overrides)
-    model = models.build(spec, dtype=torch.float32)
+    from thunder_fsdp_mem.training import litgpt_models
+    spec = litgpt_models.ModelSpec(name=NEOX.name, n_layers=1, block_size=NEOX.block_size, overrides=NEOX.overrides)
+    model = litgpt_models.build(spec, dtype=torch.float32)
     jitted = thunder.jit(model)
-    idx, targets = models.batch(spec)
+    idx, targets = litgpt_models.batch(spec)
     loss = jitted(idx, targets)
     loss.backward()
     cd = thunder.compile_data(jitted)

@@ -13,9 +13,9 @@ import torch
 import torch.cuda._memory_viz as memory_viz
 
 from thunder_fsdp_mem.analysis.snapshot import predicted_snapshot
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
-SPEC = models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
+SPEC = litgpt_models.ModelSpec(name="pythia-14m", n_layers=1, block_size=32)
 WORLD_SIZE = {"jit": 1, "thunder-fsdp": 2, "fsdp2": 2}  # as conftest.PREDICTED traces them
 
 
@@ -58,7 +58,7 @@ def _replay(snapshot: dict) -> tuple[int, int, int]:
 def _model_bytes(world_size: int) -> tuple[int, int, int]:
     """One rank's parameter bytes, the buffers' bytes and the number of parameters of ``SPEC`` in bf16."""
     with torch.device("meta"):
-        model = models.build(SPEC, dtype=torch.bfloat16)
+        model = litgpt_models.build(SPEC, dtype=torch.bfloat16)
     params = list(model.parameters())
     return (
         sum(-(-p.numel() // world_size) * p.element_size() for p in params),

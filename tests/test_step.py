@@ -9,8 +9,9 @@ import torch
 from configs import BY_NAME
 from support import memtracker_peak
 from thunder_fsdp_mem import estimate_step
-from thunder_fsdp_mem.analysis.step import anticipated_adamw, anticipated_adamw_step, estimate_traces
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.analysis.optimizer import anticipated_adamw, anticipated_adamw_step
+from thunder_fsdp_mem.analysis.step import estimate_traces
+from thunder_fsdp_mem.training import litgpt_models
 
 TOLERANCE = 0.03
 
@@ -18,8 +19,8 @@ TOLERANCE = 0.03
 @functools.cache
 def _compiled(family, dtype):
     spec = BY_NAME[family]
-    model = models.build(spec, dtype=dtype)
-    idx, targets = models.batch(spec)
+    model = litgpt_models.build(spec, dtype=dtype)
+    idx, targets = litgpt_models.batch(spec)
     jitted = thunder.jit(model)
     jitted(idx, targets).backward()  # compile, and leave the traces of a run
     return jitted, idx, targets
@@ -62,8 +63,8 @@ def test_plain_function_is_a_type_error():
 def test_eager_loss_and_optimizer_state_match_memtracker():
     # The loss computed eagerly on the logits, as Thunder's benchmark does, with AdamW's state alive.
     spec = BY_NAME["neox"]
-    gpt = models.build(spec, dtype=torch.float32).gpt
-    idx, targets = models.batch(spec)
+    gpt = litgpt_models.build(spec, dtype=torch.float32).gpt
+    idx, targets = litgpt_models.batch(spec)
     jitted = thunder.jit(gpt)
     optimizer = torch.optim.AdamW(jitted.parameters(), lr=1e-3)
 

@@ -1,10 +1,10 @@
-"""benchmarks/thunder_suite.py: outcomes and failures' messages read from a hand-written JUnit report, differences
-found between two hand-made runs, and a real run of part of Thunder's test_autocast with and without the
+"""benchmarks/correctness/thunder_suite.py: outcomes and failures' messages read from a hand-written JUnit report,
+differences found between two hand-made runs, and a real run of part of Thunder's test_autocast with and without the
 transform, where the plugin must have added the transform to each compilation and seen it run."""
 
 import json
 
-from benchmarks.thunder_suite import compare, failures, main, outcomes
+from benchmarks.correctness.thunder_suite import compare, failures, main, outcomes
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="thunder.tests.test_a" name="test_ok" />

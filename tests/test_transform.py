@@ -13,14 +13,14 @@ from thunder.core.transform_common import Transform
 from configs import BY_NAME
 from support import saved_bytes
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.training import litgpt_models
 
 BITWISE = MemoryConfig(chunk_loss=False, strict=True)  # every pass that keeps Thunder's bits
 
 
 def _run(spec, dtype, transforms):
-    model = models.build(spec, dtype=dtype)
-    idx, targets = models.batch(spec)
+    model = litgpt_models.build(spec, dtype=dtype)
+    idx, targets = litgpt_models.batch(spec)
     jitted = thunder.jit(model, transforms=transforms)
     loss = jitted(idx, targets)
     loss.backward()
@@ -44,8 +44,8 @@ def test_bitwise_identical_and_saves_less_than_eager(family, dtype):
     assert grads.keys() == grads_t.keys()
     for name in grads:
         assert torch.equal(grads[name], grads_t[name]), name
-    model = models.build(spec, dtype=dtype)
-    idx, targets = models.batch(spec)
+    model = litgpt_models.build(spec, dtype=dtype)
+    idx, targets = litgpt_models.batch(spec)
     eager = saved_bytes(model, idx, targets, held=[*model.parameters(), *model.buffers()])
     assert saved > eager  # the gap the transform exists for (Thunder saves float32 intermediates)...
     assert saved_t <= eager, (saved_t, eager)  # ...closed: no more than eager autograd keeps
@@ -78,8 +78,8 @@ def test_is_a_thunder_transform_with_a_validated_config():
 @pytest.fixture(scope="module")
 def plain_traces():
     spec = dataclasses.replace(BY_NAME["neox"], n_layers=1)
-    jitted = thunder.jit(models.build(spec, dtype=torch.float32))
-    jitted(*models.batch(spec)).backward()
+    jitted = thunder.jit(litgpt_models.build(spec, dtype=torch.float32))
+    jitted(*litgpt_models.batch(spec)).backward()
     return thunder.last_traces(jitted), thunder.last_backward_traces(jitted)[-1]
 
 
@@ -167,7 +167,7 @@ def test_fusion_regions_are_recomputed_in_backward_and_results_stay_bitwise():
     assert fusions(forward) & fusions(backward)  # a forward fusion runs again in backward
 
 
-def _family(name: str, bias: bool, parallel_residual: bool) -> models.ModelSpec:
+def _family(name: str, bias: bool, parallel_residual: bool) -> litgpt_models.ModelSpec:
     """Issue 20's configuration (stablecode-3b's NeoX block, small) and a Llama block, with bias and the parallel
     residual set as asked."""
     if name == "neox":
@@ -189,7 +189,7 @@ def _family(name: str, bias: bool, parallel_residual: bool) -> models.ModelSpec:
             ("vocab_size", 256),
         )
         base = "Llama-3-8B"
-    return models.ModelSpec(
+    return litgpt_models.ModelSpec(
         name=base,
         n_layers=1,
         block_size=32,

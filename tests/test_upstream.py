@@ -27,7 +27,7 @@ import torch
 from support import upstream
 from thunder_fsdp_mem.analysis.symbols import accumulates, is_fusion, nbytes
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import fusions, recompute
+from thunder_fsdp_mem.passes import fusions, mincut
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.passes.pipeline import FUSIONS
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
@@ -37,7 +37,7 @@ UPSTREAM = Path(__file__).parents[1] / "docs" / "upstream"
 
 
 def _saved(forward_trace) -> int:
-    return sum(nbytes(t) for t in recompute.saved_tensors(forward_trace))
+    return sum(nbytes(t) for t in mincut.saved_tensors(forward_trace))
 
 
 def _bitwise(a, b) -> bool:

@@ -49,8 +49,8 @@ class MemoryConfig:
     memory_cap: with ``memory_budget``, the most the CUDA caching allocator may reserve (an int > 0: the GPU's
         memory, or the process's share of it under ``torch.cuda.set_per_process_memory_fraction``). The budget
         bounds allocated bytes, the device reserved ones: a plan must then also run when the allocator is replayed
-        over its estimated step under the cap (``allocator.py``), so that cached blocks too small for a request do not
-        stop it. None: allocated bytes only.
+        over its estimated step under the cap (``caching_allocator.py``), so that cached blocks too small for a request
+        do not stop it. None: allocated bytes only.
     saved_budget: the most bytes a forward may save for backward beyond its inputs (an int >= 0), the same way;
         for a pair that is part of a step (each ThunderFX block under FSDP2), set from a step's budget by the
         report's planner (``thunder-fsdp-mem report --memory-budget``). None: no budget.

@@ -24,7 +24,7 @@ from thunder.core.trace import TraceCtx, TraceProvenance, TraceTag, from_trace
 from thunder.core.transform_common import Transform
 from thunder.distributed import FSDPType
 
-from thunder_fsdp_mem.analysis.step import parameter_order
+from thunder_fsdp_mem.analysis.optimizer import parameter_order
 from thunder_fsdp_mem.attention import route_attention
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.loss.rewrite import rewrite_losses

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from thunder_fsdp_mem.analysis.allocations import Allocation, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import Allocation, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.phases import Phase, Stage
 

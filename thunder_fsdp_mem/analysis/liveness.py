@@ -16,7 +16,7 @@ Cost model: bytes are ``numel * itemsize`` of the allocation, with no allocator 
 counts on CPU, and ``max_memory_allocated`` up to 512-byte rounding on CUDA). One pass over the bound symbols,
 O(1) work per proxy.
 
-Where it lives: the result types are ``allocations``'s (re-exported here); the reference counts are
+Where it lives: the result types are ``timeline``'s; the reference counts are
 ``references.References``; this module walks the bound symbols (``_Walk``: each symbol's effect applied to the
 references, which module made what) and accounts for the timeline and its peak (``_timeline``).
 """
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.allocations import OUTSIDE, Allocation, InputSpec, MemoryTimeline, OpMemory
+from thunder_fsdp_mem.analysis.timeline import Allocation, InputSpec, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.effects import Effect, Kind, classify
 from thunder_fsdp_mem.analysis.provenance import Origin, Provenance, Scopes, user_line
@@ -41,8 +41,6 @@ from thunder_fsdp_mem.analysis.symbols import (
     sym_id,
     tensor_args,
 )
-
-__all__ = ["OUTSIDE", "Allocation", "InputSpec", "MemoryTimeline", "OpMemory", "analyze"]
 
 log = logging.getLogger(__name__)
 

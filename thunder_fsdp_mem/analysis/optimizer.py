@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from thunder_fsdp_mem.analysis import device
-from thunder_fsdp_mem.analysis.allocations import Allocation
+from thunder_fsdp_mem.analysis.timeline import Allocation
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.holdings import held_allocation, storage_key
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, parameter_path

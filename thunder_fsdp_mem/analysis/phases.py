@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from thunder_fsdp_mem.analysis.allocations import Allocation, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import Allocation, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 
 

@@ -20,7 +20,7 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, TensorProxy
 
 from thunder_fsdp_mem.analysis import layout
-from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec
+from thunder_fsdp_mem.analysis.timeline import Allocation, InputSpec
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, shape
 

@@ -1,11 +1,11 @@
 """The predicted step as a memory snapshot that PyTorch's own viewer opens (``report --snapshot``).
 
-Entry points: ``replay(step) -> Replay``, the step's allocations and frees in order (what ``allocator`` runs through
-its model of the caching allocator); ``predicted_snapshot(step) -> dict``, in the format of
-``torch.cuda.memory._snapshot()`` (what ``torch.cuda.memory._dump_snapshot`` pickles): one segment whose blocks are
-what is alive at the end of the step, and a device trace of ``alloc`` / ``free_requested`` / ``free_completed``
-events in step order. Open the pickle on pytorch.org/memory_viz, or render it with ``torch.cuda._memory_viz``
-(``trace_plot``, ``segment_plot``).
+Entry points: ``replay(step) -> Replay``, the step's allocations and frees in order (what ``caching_allocator`` runs
+through its model of the caching allocator); ``predicted_snapshot(step) -> dict``, in the format of
+``torch.cuda.memory._snapshot()`` (what ``torch.cuda.memory._dump_snapshot`` pickles): one segment whose blocks are what
+is alive at the end of the step, and a device trace of ``alloc`` / ``free_requested`` / ``free_completed`` events in
+step order. Open the pickle on pytorch.org/memory_viz, or render it with ``torch.cuda._memory_viz`` (``trace_plot``,
+``segment_plot``).
 
 The events replay the estimate: phase by phase (``StepMemory.phases``), what the phase no longer holds is freed
 and what it newly holds is allocated at its start; inside a trace, each bound symbol (``MemoryTimeline.ops``)
@@ -30,8 +30,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import Allocation
-from thunder_fsdp_mem.analysis.step import Phase, StepMemory
+from thunder_fsdp_mem.analysis.timeline import Allocation
+from thunder_fsdp_mem.analysis.phases import Phase, StepMemory
 
 BASE_ADDRESS = 0x7F0000000000
 ALIGNMENT = 512

@@ -16,20 +16,17 @@ holds (``_compose``):
   and on the cotangents of the outputs; the gradients it returns stay (``param.grad``).
 ``predict.fsdp2`` composes an FSDP2 step from the same pieces.
 
-Two things the caller does are modelled on request (``loss`` and ``optimizer`` model them): ``loss="cross_entropy"``
-is an eager ``cross_entropy(output.reshape(-1, V), targets)`` on the forward's output between forward and backward
-(what Thunder's and litgpt's benchmarks do): its ``log_softmax`` is kept for its backward, which allocates the
-gradient of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) while both are alive.
-``optimizer=`` adds the optimizer's state, alive through the whole step (before its first step Adam and AdamW
+Two things the caller does are modelled on request (``eager_loss`` and ``optimizer`` model them):
+``loss="cross_entropy"`` is an eager ``cross_entropy(output.reshape(-1, V), targets)`` on the forward's output between
+forward and backward (what Thunder's and litgpt's benchmarks do): its ``log_softmax`` is kept for its backward, which
+allocates the gradient of ``nll_loss`` and the gradient of the logits (the backward trace's cotangent) while both are
+alive. ``optimizer=`` adds the optimizer's state, alive through the whole step (before its first step Adam and AdamW
 have none yet, and the state they will create is counted instead), and, for Adam and AdamW, the optimizer's step
 after the backward (``adam_step_bytes``): the parameters, their gradients, the state, the output the caller still
 holds (``modes.Trainer.step`` holds the logits until it returns), and the step's own temporaries.
 
 The quantity is live tensor bytes, as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them on CPU and
 ``torch.cuda.max_memory_allocated`` on GPU (less allocator rounding).
-
-The names other modules import from here (``StepMemory``, ``Holdings``, ``adam_state``...) are re-exported from
-the modules that define them: ``phases``, ``holdings``, ``optimizer``, ``loss``.
 """
 
 from __future__ import annotations
@@ -41,48 +38,17 @@ from enum import Enum
 import torch
 import thunder
 
-from thunder_fsdp_mem.analysis.allocations import Allocation, InputSpec, MemoryTimeline
+from thunder_fsdp_mem.analysis.timeline import Allocation, InputSpec, MemoryTimeline
 from thunder_fsdp_mem.analysis.categories import Category
 from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation, storage_key
 from thunder_fsdp_mem.thunder_internals import original_module
 from thunder_fsdp_mem.analysis.liveness import analyze
-from thunder_fsdp_mem.analysis.loss import check_loss, loss_allocations
-from thunder_fsdp_mem.analysis.optimizer import (
-    adam_state,
-    adam_step_allocation,
-    adam_step_bytes,
-    anticipated_adamw,
-    anticipated_adamw_step,
-    optimizer_state,
-    optimizer_step_allocation,
-    parameter_order,
-)
+from thunder_fsdp_mem.analysis.eager_loss import check_loss, loss_allocations
+from thunder_fsdp_mem.analysis.optimizer import optimizer_state, optimizer_step_allocation
 from thunder_fsdp_mem.analysis.provenance import Scopes, backward_names, scopes_of
-from thunder_fsdp_mem.analysis.phases import Phase, Stage, StepMemory, Timeline, step_memory
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name, nbytes, proxy_names
 
-__all__ = [  # what other modules import from here, wherever it is defined
-    "DEVICE_TYPES",
-    "Holder",
-    "Holdings",
-    "Key",
-    "Phase",
-    "Role",
-    "Stage",
-    "StepMemory",
-    "Timeline",
-    "adam_state",
-    "adam_step_allocation",
-    "adam_step_bytes",
-    "anticipated_adamw",
-    "anticipated_adamw_step",
-    "estimate_step",
-    "estimate_traces",
-    "held_allocation",
-    "loss_allocations",
-    "parameter_order",
-    "step_memory",
-]
 
 DEVICE_TYPES = ("cuda", "cpu")
 
@@ -237,7 +203,7 @@ def _hold_returned(holdings: Holdings, forward: MemoryTimeline) -> int:
 
 
 def _loss_phase(holdings: Holdings, forward: MemoryTimeline) -> None:
-    """The caller's eager loss on the forward's one output (``loss.loss_allocations``)."""
+    """The caller's eager loss on the forward's one output (``eager_loss.loss_allocations``)."""
     returned = sorted(set(forward.outputs.values()))
     outputs = [forward.allocations[i] for i in returned if forward.allocations[i].category is Category.OUTPUT]
     if len(outputs) != 1:

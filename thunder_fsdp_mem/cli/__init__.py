@@ -5,7 +5,3 @@ Two commands: ``report`` (where the memory of one training step goes) and ``fit`
 size per rank); ``report --fit`` still runs ``fit`` for one release, with a note on stderr. The grammar is in
 ``parser``, the checks before any tracing in ``validate``, what goes to stderr besides the report in ``console``.
 """
-
-from thunder_fsdp_mem.cli.commands import main
-
-__all__ = ["main"]

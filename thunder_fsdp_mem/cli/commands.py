@@ -1,10 +1,10 @@
 """The commands of ``thunder-fsdp-mem``: ``main(argv=None) -> int`` parses the command line (``parser``), checks it
 (``validate``) and runs ``report`` (``run_report``: one step traced on the meta device, planned with the transform
-and measured where asked, its report printed and written), ``fit`` (``run_fit``: ``predict.fit``'s search for
-the largest step that fits, without the transform and with it) or ``run`` (``thunder_fsdp_mem.run``: a program
-run with the transform injected, which reads its own command line). It returns the exit code: user errors print one
-line to stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that
-``--help`` and usage errors answer at once."""
+and measured where asked, its report printed and written), ``fit`` (``run_fit``: ``predict.largest_step``'s search for
+the largest step that fits, without the transform and with it) or ``run`` (``thunder_fsdp_mem.run``: a program run with
+the transform injected, which reads its own command line). It returns the exit code: user errors print one line to
+stderr and exit with 2. Thunder, torch and litgpt are imported where they are first needed, so that ``--help`` and usage
+errors answer at once."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_imports()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:  # the runner parses its own options, and the program's are not ours to read
-        from thunder_fsdp_mem.run import main as run_main
+        from thunder_fsdp_mem.run.command import main as run_main
 
         return run_main(argv[1:])
     try:
@@ -44,10 +44,10 @@ def run_report(args) -> int:
     """``thunder-fsdp-mem report``: the step without the transform (and with it, under ``--transform`` or a
     budget), measured beside where asked; prints the report and writes its JSON, plot and snapshots."""
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.report import build_report
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.report.contents import build_report
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
     cap = args.memory_cap if args.memory_budget is not None else None
     plans = [None]
@@ -106,11 +106,11 @@ def run_fit(args) -> int:
     from litgpt.config import name_to_config
 
     from thunder_fsdp_mem.config import MemoryConfig
-    from thunder_fsdp_mem.predict.fit import fit_step, longest_for
-    from thunder_fsdp_mem.report import fit_json, render_fit
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.predict.largest_step import fit_step, longest_for
+    from thunder_fsdp_mem.report.fit_table import fit_json, render_fit
+    from thunder_fsdp_mem.training import litgpt_models
 
-    spec = models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
     n_layers = spec.config().n_layer
     longest = longest_for(name_to_config[args.model].get("block_size"), args.block_size)
     fits = []
@@ -166,14 +166,14 @@ def run_fit(args) -> int:
 
 def _step_options(args) -> dict[str, object]:
     """``emulate.trace_step``'s options (but the micro-batch, which the fit search varies) from the command line."""
-    from thunder_fsdp_mem.training import models
+    from thunder_fsdp_mem.training import litgpt_models
 
     return dict(
         mode=args.mode,
         shard=args.shard,
         world_size=args.world_size,
         device_type=args.device,
-        dtype=models.DTYPES[args.dtype],
+        dtype=litgpt_models.DTYPES[args.dtype],
         executors=args.executors,
         **({"loss": args.loss} if args.loss != "eager" else {}),
     )
@@ -207,7 +207,7 @@ def _measure(args, spec, memory):
     import torch.distributed as dist
 
     from thunder_fsdp_mem.predict.measure import gather, measure_step
-    from thunder_fsdp_mem.training import models, runtime
+    from thunder_fsdp_mem.training import litgpt_models, runtime
 
     rank = runtime.init_distributed(args.device)
     try:
@@ -217,7 +217,7 @@ def _measure(args, spec, memory):
             mode=args.mode,
             shard=args.shard,
             executors=args.executors,
-            dtype=models.DTYPES[args.dtype],
+            dtype=litgpt_models.DTYPES[args.dtype],
             micro_batch_size=args.micro_batch_size,
             memory=memory,
             snapshot=bool(args.snapshot),
@@ -236,7 +236,9 @@ def _print_and_write(args, report, steps, measured) -> None:
     """The report as text on stdout, as wide as ``COLUMNS`` or the terminal says (``DEFAULT_WIDTH`` when piped
     without ``COLUMNS``), with the terminal's styles where it prints to one; its JSON, plot and
     snapshots where asked. A file refused at the end is a usage error, as it is when checked before tracing."""
-    from thunder_fsdp_mem.report import render_json, render_plot, render_text
+    from thunder_fsdp_mem.report.as_json import render_json
+    from thunder_fsdp_mem.report.plot import render_plot
+    from thunder_fsdp_mem.report.text import render_text
 
     color = sys.stdout.isatty()
     print(render_text(report, color=color, width=shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns))

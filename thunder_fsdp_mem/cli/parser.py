@@ -126,7 +126,7 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         choices=EXECUTOR_CHOICES,
         default="default+cat",
         help="Thunder's executors: default, Thunder's own list; default+cat, the same with torch.compile's "
-        "executor for rotary's cat first (as benchmarks/compare.py runs); default+inductor, the same with "
+        "executor for rotary's cat first (as benchmarks/performance/compare.py runs); default+inductor, the same with "
         "Thunder's whole torch.compile executor first (benchmark_litgpt.py's thunder_inductor); fused, a fusion "
         "executor (nvFuser when installed, else torch.compile's after sdpa) (default default+cat)",
     )

@@ -78,7 +78,7 @@ def _check_sizes(args) -> None:
         if args.measure and args.mode == "fsdp2":
             raise UsageError(
                 "--measure with --memory-budget runs --mode jit or thunder-fsdp; under FSDP2 each "
-                "block's share of the budget comes from the prediction: benchmarks/compare.py "
+                "block's share of the budget comes from the prediction: benchmarks/performance/compare.py "
                 "--modes fsdp2-thunder+mem@budget=SIZE measures it"
             )
     if args.memory_cap is not None:
@@ -165,9 +165,9 @@ def _check_model(args) -> None:
         )
     if args.mode == "fsdp2":
         from thunder_fsdp_mem.predict import fsdp2
-        from thunder_fsdp_mem.training import models
+        from thunder_fsdp_mem.training import litgpt_models
 
-        config = models.ModelSpec(name=args.model, block_size=args.block_size).config()
+        config = litgpt_models.ModelSpec(name=args.model, block_size=args.block_size).config()
         refused = fsdp2.unsupported(config, getattr(args, "loss", "eager"))
         if refused:
             raise UsageError(f"{args.model}: --mode fsdp2 does not model {', '.join(refused)}; use --mode thunder-fsdp")

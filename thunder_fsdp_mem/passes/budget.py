@@ -1,13 +1,13 @@
 """Fit a memory budget: recompute more of the forward in backward, matmuls and attention included, choosing what
 to recompute by the least estimated time per byte of peak removed, until the step's estimated peak fits.
 
-Entry point: ``fit(forward, backward, *, excess, judge, recompute_weight, rates) -> Fit``. As the
+Entry point: ``cheapest_plan(forward, backward, *, excess, judge, recompute_weight, rates) -> Candidate``. As the
 rematerialization pass runs it (``recompute.PASS``, under ``MemoryConfig.budgeted``): ``propose(pair, context,
 config) -> Proposal``, the plan that fits ``config``'s budgets, with a warning that names the least peak reachable
 where they cannot be met (``unmet_warning``). What judges the plans, and every pass: ``estimator(config, pair)``,
 ``step.estimate_traces`` with the loss and the optimizer state a memory budget counts; with a memory cap,
 ``cap_shortfall(config)`` too: the caching allocator replayed over the step under the cap
-(``allocator.over_cap``), which a plan must pass as well as the budget, and no later pass may make worse.
+(``caching_allocator.over_cap``), which a plan must pass as well as the budget, and no later pass may make worse.
 
 ``mincut.plan_saved`` with a ``price`` is the minimum cut that trades saved bytes against the time of the
 expensive ops run again (``cost.op_seconds``): each second of recomputation costs ``price`` bytes. At a high price
@@ -18,10 +18,10 @@ needs, and holds every link's outputs from there on. So each price gives two can
 such chains broken (``segments=True``: the links' inputs saved, as activation checkpointing saves each block's
 input), and the better is kept: over the budget by less, or fitting with less recomputation. The plan that
 recomputes least while it fits is the one at the highest price that fits. Saving less is not always a lower peak
-(what the backward recomputes is alive in backward too), so the peak is not monotone in the price: ``fit`` tries
-the cut without a price, then ``GRID`` prices from the highest down to 0; if one fits, it bisects the price's
+(what the backward recomputes is alive in backward too), so the peak is not monotone in the price: ``cheapest_plan``
+tries the cut without a price, then ``GRID`` prices from the highest down to 0; if one fits, it bisects the price's
 logarithm between the highest that fits and the next above it; if none fits, the budget cannot be met
-(``Fit.reached`` is False) and the plan nearest to it among those tried is the answer. Every candidate is the
+(``Candidate.reached`` is False) and the plan nearest to it among those tried is the answer. Every candidate is the
 pair as it came, rewritten by ``plan_rewrite.apply_plan`` and judged by ``judge`` (the transform's estimate of the
 step, with the loss and the optimizer state it is told of); ``excess`` says by how many bytes an estimate is over
 the budget (0: it fits). Alike expensive ops (each block's fused region) cost alike, so they flip together at one
@@ -46,9 +46,11 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.allocator import over_cap
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.cost import H200, DeviceRates, op_seconds
-from thunder_fsdp_mem.analysis.step import StepMemory, anticipated_adamw, anticipated_adamw_step, estimate_traces
+from thunder_fsdp_mem.analysis.optimizer import anticipated_adamw, anticipated_adamw_step
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Proposal, Recomputed
@@ -65,7 +67,7 @@ GRID = tuple(10.0**e for e in range(15, 6, -1)) + (0.0,)
 
 
 @dataclass(frozen=True, slots=True)
-class Fit:
+class Candidate:
     """The plan chosen for a budget: the rewritten pair, its estimate by ``judge``, the price it was cut at (None:
     without one), whether it fits, and what the backward recomputes (grouped, with its estimated added time)."""
 
@@ -82,7 +84,7 @@ class Fit:
         return self.plan.seconds
 
 
-def fit(
+def cheapest_plan(
     forward: TraceCtx,
     backward: TraceCtx,
     *,
@@ -90,14 +92,14 @@ def fit(
     judge: Callable[[TraceCtx, TraceCtx], StepMemory],
     recompute_weight: float,
     rates: DeviceRates = H200,
-) -> Fit:
+) -> Candidate:
     """The plan whose ``excess`` is 0 recomputing least (see the module's docstring)."""
 
-    def rank(f: Fit) -> tuple[int, float]:  # over the budget by less; fitting, with less recomputation
+    def rank(f: Candidate) -> tuple[int, float]:  # over the budget by less; fitting, with less recomputation
         over = excess(f.estimate)
         return over, f.seconds if over <= 0 else f.estimate.peak_bytes
 
-    def attempt(price: float | None, only: frozenset[int] | None = None) -> Fit:
+    def attempt(price: float | None, only: frozenset[int] | None = None) -> Candidate:
         best = None
         for segments in (False, True) if price is not None else (False,):
             plan = plan_saved(
@@ -107,7 +109,7 @@ def fit(
                 continue
             new_forward, new_backward = apply_plan(forward, backward, plan) if plan.changes else (forward, backward)
             estimate = judge(new_forward, new_backward)
-            candidate = Fit(
+            candidate = Candidate(
                 plan,
                 new_forward,
                 new_backward,
@@ -144,7 +146,7 @@ def fit(
     return _without_the_dearest(_fewer(best, above, forward, attempt), forward, attempt, rates)
 
 
-def _fewer(best: Fit, above: Fit, forward: TraceCtx, attempt: Callable[..., Fit]) -> Fit:
+def _fewer(best: Candidate, above: Candidate, forward: TraceCtx, attempt: Callable[..., Candidate]) -> Candidate:
     """``best`` with fewer of the expensive ops that ``above`` (the plan at the next higher price, which does not
     fit) keeps and ``best`` recomputes, where fewer fit: the first k of them in forward order (the earliest blocks,
     which the backward reaches last, when it holds least), k bisected. Alike ops (each block's region) flip at one
@@ -164,7 +166,9 @@ def _fewer(best: Fit, above: Fit, forward: TraceCtx, attempt: Callable[..., Fit]
     return best
 
 
-def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fit], rates: DeviceRates) -> Fit:
+def _without_the_dearest(
+    best: Candidate, forward: TraceCtx, attempt: Callable[..., Candidate], rates: DeviceRates
+) -> Candidate:
     """``best`` with each expensive op it recomputes kept instead, the dearest first, where the plan still fits and
     recomputes less. A price recomputes every op whose bytes per second beat it: where a dear op frees more than
     the budget needs beside a cheaper one (a ThunderFX block's MLP region beside its attention region), the plan
@@ -188,8 +192,8 @@ def _without_the_dearest(best: Fit, forward: TraceCtx, attempt: Callable[..., Fi
 def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] = ()) -> Estimator:
     """What judges the passes on ``pair``: ``step.estimate_traces``; with a memory budget, the step it counts: the
     loss the caller computes on the forward's output (where that output is not a scalar already), the optimizer
-    state (``step.anticipated_adamw``) and the optimizer's step (``step.anticipated_adamw_step``, the parameters
-    stepped in ``parameter_order``, the model's: ``step.parameter_order``)."""
+    state (``optimizer.anticipated_adamw``) and the optimizer's step (``optimizer.anticipated_adamw_step``, the
+    parameters stepped in ``parameter_order``, the model's: ``optimizer.parameter_order``)."""
     if config.memory_budget is None:
         return estimate_traces
     adamw = config.budget_optimizer == "adamw"
@@ -207,7 +211,7 @@ def estimator(config: MemoryConfig, pair: Pair, parameter_order: Sequence[str] =
 
 def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
     """By how many bytes a step misses ``config.memory_cap`` when the caching allocator is replayed over it
-    (``allocator.over_cap``; 0: it runs), each step replayed once; None without a cap."""
+    (``caching_allocator.over_cap``; 0: it runs), each step replayed once; None without a cap."""
     if config.memory_cap is None:
         return None
     replayed: dict[int, tuple[StepMemory, int]] = {}  # the step is kept with its figure: its id stays its own
@@ -221,10 +225,10 @@ def cap_shortfall(config: MemoryConfig) -> Callable[[StepMemory], int] | None:
 
 
 def propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
-    """The least recomputation that fits ``config``'s budgets (``fit``); the least peak reachable, with a warning
-    that names it and what is alive there, where they cannot be met."""
+    """The least recomputation that fits ``config``'s budgets (``cheapest_plan``); the least peak reachable, with a
+    warning that names it and what is alive there, where they cannot be met."""
     excess, short_of_the_cap = _excess(config)
-    found = fit(
+    found = cheapest_plan(
         pair.forward,
         pair.backward,
         excess=excess,

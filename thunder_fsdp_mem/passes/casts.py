@@ -10,8 +10,8 @@ float32, and a rounding of the result back::
 
 ATen's kernel for the op on bf16 computes the same thing in one: it widens each operand to float32, runs the
 float32 op and rounds the result to nearest even. That is a fact about ATen's kernels, not a rule, so it is
-checked op by op: ``benchmarks/cast_check.py`` compares both forms on every bf16 and f16 value (unary ops, ops
-with a number) and on every pair of values (binary ops, CUDA) or 4 million pairs (binary ops, CPU), and, on CPU,
+checked op by op: ``benchmarks/correctness/cast_check.py`` compares both forms on every bf16 and f16 value (unary ops,
+ops with a number) and on every pair of values (binary ops, CUDA) or 4 million pairs (binary ops, CPU), and, on CPU,
 ``tests/test_casts.py`` at every length from 1 to 67, strided and broadcast (where ATen's vectorized loops leave a
 scalar tail: CPU ``rsqrt`` differs there, in a third of the values, and is not folded). The tables
 below hold what passed, per device type (torch 2.11 on an H200 and on CPU: ``docs/data/cast-check-*.txt``; the

@@ -1,10 +1,10 @@
 """How a pass declares itself to the pipeline: its name, the ``MemoryConfig`` switches that turn it on, what it
 rewrites, and the function that proposes its rewrite.
 
-Each pass module exposes one ``Declaration`` (``PASS``); ``pipeline.DECLARED`` lists them in the order the driver
-runs them, and ``Declaration.bound(config)`` turns one into the driver's ``Pass``. A declaration's ``scope`` is
-checked on every proposal: a pass declared on the backward alone that proposes a new forward is refused
-(``PassError``, which the driver records as ``REFUSED``).
+Each pass module exposes one ``Declaration`` (``PASS``); ``pipeline.DECLARED`` lists them in the order the driver runs
+them, and ``Declaration.bound(config)`` gives the driver what it runs (``Bound``, a ``driver.Pass``): the name and the
+order of a pass are declared here alone. A declaration's ``scope`` is checked on every proposal: a pass declared on the
+backward alone that proposes a new forward is refused (``PassError``, which the driver records as ``REFUSED``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes.driver import Context, Pair, Pass, PassError, Proposal
+from thunder_fsdp_mem.passes.driver import Context, Pair, PassError, Proposal
 
 
 class Scope(str, Enum):
@@ -45,16 +45,9 @@ class Declaration:
     def enabled(self, config: MemoryConfig) -> bool:
         return all(getattr(config, switch) for switch in self.switches)
 
-    def bound(self, config: MemoryConfig) -> Pass:
-        """The driver's ``Pass``: ``propose`` with ``config``, its scope checked."""
-
-        def run(pair: Pair, context: Context) -> Proposal:
-            proposal = self.propose(pair, context, config)
-            if self.scope is Scope.BACKWARD and proposal.forward is not pair.forward:
-                raise PassError(f"pass '{self.name}' rewrites the backward alone, yet proposed a new forward")
-            return proposal
-
-        return Pass(self.name, run, after=self.after)
+    def bound(self, config: MemoryConfig) -> Bound:
+        """The driver's ``Pass``: this declaration with ``config``."""
+        return Bound(self, config)
 
     def again_after(self, other: Declaration) -> Declaration:
         """This pass run once more after ``other``, where ``other`` was applied (both switched on): for a pass that
@@ -66,3 +59,27 @@ class Declaration:
             self.propose,
             after=other.name,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A declared pass with the config it runs under, what the driver runs (``driver.Pass``): its name and order
+    are its declaration's; ``run`` is ``propose`` with ``config``, its scope checked."""
+
+    declaration: Declaration
+    config: MemoryConfig
+
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def after(self) -> str | None:
+        return self.declaration.after
+
+    def run(self, pair: Pair, context: Context) -> Proposal:
+        declared = self.declaration
+        proposal = declared.propose(pair, context, self.config)
+        if declared.scope is Scope.BACKWARD and proposal.forward is not pair.forward:
+            raise PassError(f"pass '{declared.name}' rewrites the backward alone, yet proposed a new forward")
+        return proposal

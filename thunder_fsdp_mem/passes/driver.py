@@ -1,8 +1,8 @@
 """The pass driver: every pass of ``FSDPMemoryTransform`` is run, checked, judged and recorded the same way.
 
-A pass (``Pass``) takes a forward and its backward (``Pair``) and proposes a new pair (``Proposal``); it may read the
-estimate of the pair it is given (``Context.estimate``). ``run_passes(pair, passes, on_refused, estimator)`` runs
-each in order and, for each:
+A pass (``Pass``, a ``declaration.Declaration`` bound to a config) takes a forward and its backward (``Pair``) and
+proposes a new pair (``Proposal``); it may read the estimate of the pair it is given (``Context.estimate``).
+``run_passes(pair, passes, on_refused, estimator)`` runs each in order and, for each:
 - times it;
 - where the proposal is the pair itself, records ``UNCHANGED``;
 - checks each rewritten trace (``checks.check_rewrite``, with what the pass says may differ: the saved tensors,
@@ -29,10 +29,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Protocol
 
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.step import StepMemory, estimate_traces
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.passes.checks import CheckError, check_rewrite
 
 log = logging.getLogger(__name__)
@@ -112,14 +114,19 @@ class Context:
         return self._estimate
 
 
-@dataclass(frozen=True, slots=True)
-class Pass:
-    """One pass: its ``name``, and ``run(pair, context) -> Proposal``. ``after``: the name of a pass that must have
-    been applied earlier in the same run for this one to run (a pass that only finds work after another's)."""
+class Pass(Protocol):
+    """What the driver runs of one pass: its ``name``, ``after`` (the name of a pass that must have been applied
+    earlier in the same run for this one to run: a pass that only finds work after another's) and
+    ``run(pair, context) -> Proposal``. A pass declares its name and order once, in its ``declaration.Declaration``;
+    ``Declaration.bound(config)`` is what the driver is given."""
 
-    name: str
-    run: Callable[[Pair, Context], Proposal]
-    after: str | None = None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def after(self) -> str | None: ...
+
+    def run(self, pair: Pair, context: Context) -> Proposal: ...
 
 
 class Outcome(str, Enum):

@@ -45,7 +45,7 @@ from thunder.core.trace import TraceCtx, from_trace
 from thunder_fsdp_mem.analysis.cost import op_flops, traffic_equivalent
 from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import recompute
+from thunder_fsdp_mem.passes import mincut, plan_rewrite
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
@@ -70,7 +70,7 @@ def into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tra
 
 
 def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
-    saved = recompute.saved_tensors(forward)
+    saved = mincut.saved_tensors(forward)
     fw = without_dels(forward.bound_symbols)
     bw = without_dels(backward.bound_symbols)
     readers: dict[str, list] = defaultdict(list)  # proxy name -> the symbols that read it, original identities
@@ -200,7 +200,7 @@ def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] |
 def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[TraceCtx, TraceCtx, int]:
     """The traces with the rewritten symbols, the forward saving what the backward now reads from it: the tensors
     saved before that it still reads, in their order, then the new ones in the forward's order."""
-    unpacking = recompute.unpacking(new_bw)["C0"]  # the saved tensors: defined there, received from the forward
+    unpacking = plan_rewrite.unpacking(new_bw)["C0"]  # the saved tensors: defined there, received from the forward
     defined_in_bw = {p.name for i, b in enumerate(new_bw) if i != unpacking for p in b.flat_proxy_outs}
     read_in_bw = {p.name for b in new_bw for p in b.flat_proxy_args} - defined_in_bw
     produced = {}
@@ -212,14 +212,14 @@ def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[Trac
             produced.setdefault(p.name, p)
     kept = [t.name for t in saved if t.name in read_in_bw]
     new = [n for n in produced if n in read_in_bw and n not in kept and isinstance(produced[n], TensorProxy)]
-    plan = recompute.SavePlan(
+    plan = mincut.SavePlan(
         saved=(*kept, *new),
         recompute=(),
         before_bytes=sum(nbytes(t) for t in saved),
         after_bytes=sum(nbytes(produced[n]) for n in (*kept, *new)),
     )
     fw_trace, bw_trace = _with(forward, new_fw), _with(backward, new_bw)
-    new_forward, new_backward = recompute.apply_plan(fw_trace, bw_trace, plan)
+    new_forward, new_backward = plan_rewrite.apply_plan(fw_trace, bw_trace, plan)
     return new_forward, new_backward, plan.before_bytes - plan.after_bytes
 
 

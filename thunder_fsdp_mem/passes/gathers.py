@@ -15,7 +15,7 @@ gathered parameters for backward.
   gathers, which is the order of the parameters' names); ``del``s are placed again at last use.
 - ``regather(forward, backward) -> (forward, backward)``: the forward saves each gathered parameter's shard (a
   forward input: saving it costs nothing) instead of the parameter, and the backward gathers it again just before
-  its first use, with copies of the forward's own all-gather and wait (``recompute.apply_plan``).
+  its first use, with copies of the forward's own all-gather and wait (``plan_rewrite.apply_plan``).
 
 Both depend on the trace alone, so every rank issues the same collectives in the same order. Both are pure.
 ``PASS``: both as the pipeline runs them (``declaration.Declaration``): ``regather`` where ``MemoryConfig.regather``
@@ -42,7 +42,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     without_dels,
 )
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import checks, recompute
+from thunder_fsdp_mem.passes import checks, mincut, plan_rewrite
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 from thunder_fsdp_mem.passes.edit import PROVENANCE, rebuilt
@@ -147,7 +147,7 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     bsyms = forward.bound_symbols
     inputs = {a.name for a in forward.args if isinstance(a, Proxy)}
     inputs.update(o.name for b in bsyms if b.sym.id in UNPACK_IDS for o in b.flat_proxy_outs)
-    saved = [t.name for t in recompute.saved_tensors(forward)]
+    saved = [t.name for t in mincut.saved_tensors(forward)]
     by_gathered = {g.gathered: g for g in match(bsyms) if g.shard in inputs}
     again = [by_gathered[n] for n in saved if n in by_gathered]
     if not again:
@@ -160,13 +160,13 @@ def regather(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx]
     tensors = {p.name: p for b in bsyms for p in (*b.flat_proxy_args, *b.flat_proxy_outs)}
     before = sum(nbytes(tensors[n]) for n in saved if n not in inputs)
     after = sum(nbytes(tensors[n]) for n in new_saved if n not in inputs)
-    plan = recompute.SavePlan(
+    plan = mincut.SavePlan(
         saved=tuple(new_saved),
         recompute=tuple(sorted(i for g in again for i in (g.gather, g.wait))),
         before_bytes=before,
         after_bytes=after,
     )
-    new_forward, new_backward = recompute.apply_plan(forward, backward, plan)
+    new_forward, new_backward = plan_rewrite.apply_plan(forward, backward, plan)
     new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: gathers {len(again)} parameters again in backward"))
     return new_forward, new_backward
 

@@ -9,7 +9,7 @@ what it rewrites, the function that proposes its rewrite); ``DECLARED`` lists th
    recomputes the cheap tail of the forward fusions it reads from, as Thunder's own rematerialization means to and at
    times does not;
 3. ``rematerialization`` (``recompute.PASS``; ``rematerialize``): what the forward saves, by a minimum cut, the
-   rest recomputed in backward; with a memory budget, matmuls and attention too, as ``budget.fit`` chooses;
+   rest recomputed in backward; with a memory budget, matmuls and attention too, as ``budget.cheapest_plan`` chooses;
 4. ``folded casts after rematerialization`` (``fold_casts`` and ``rematerialize``): the brackets of the upcasts
    the backward now recomputes (runs only where rematerialization was applied);
 5. ``order`` (``reorder.PASS``; ``reorder``): the trace that holds the peak in its lowest-peak order;

@@ -1,7 +1,6 @@
 """The rematerialization pass: choose what the forward saves for backward, and recompute the rest in backward.
 
-Its two halves are modules of their own, whose names this one gives the other passes (``recompute.plan_saved``,
-``recompute.apply_plan``, ...):
+Its two halves are modules of their own, which the other passes import from where each name is defined:
 - ``mincut``: ``plan_saved(forward) -> SavePlan``, the set of tensors to save that minimises saved bytes (plus,
   with ``recompute_weight``, the traffic of what is recomputed; with a ``price``, the time of the expensive ops
   run again) by a minimum cut over the forward's data flow; ``recomputable``, ``priced``, ``recomputed_groups``;
@@ -20,34 +19,8 @@ from thunder_fsdp_mem.passes import budget
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, Proposal
-from thunder_fsdp_mem.passes.mincut import (
-    PRICED_OPS,
-    RECOMPUTABLE_OPS,
-    PlanError,
-    SavePlan,
-    plan_saved,
-    priced,
-    recomputable,
-    recomputed_groups,
-    saved_tensors,
-)
-from thunder_fsdp_mem.passes.plan_rewrite import apply_plan, received, unpacking
-
-__all__ = [
-    "PASS",
-    "PRICED_OPS",
-    "RECOMPUTABLE_OPS",
-    "PlanError",
-    "SavePlan",
-    "apply_plan",
-    "plan_saved",
-    "priced",
-    "received",
-    "recomputable",
-    "recomputed_groups",
-    "saved_tensors",
-    "unpacking",
-]
+from thunder_fsdp_mem.passes.mincut import PlanError, plan_saved, recomputed_groups, saved_tensors
+from thunder_fsdp_mem.passes.plan_rewrite import apply_plan, received
 
 
 def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:

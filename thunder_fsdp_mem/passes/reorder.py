@@ -30,7 +30,8 @@ from collections.abc import Callable
 from thunder.core.prims import PrimIDs
 from thunder.core.trace import TraceCtx
 
-from thunder_fsdp_mem.analysis.step import Stage, StepMemory, estimate_traces
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.analysis.symbols import (
     COLLECTIVES,
     KNOWN_EXECUTORS,

@@ -5,7 +5,7 @@ for them all just before it returns: every unsharded gradient is alive at once, 
 until its wait.
 
 ``schedule(trace, max_inflight) -> trace``: each reduce-scatter, with the cheap ops that only prepare its input
-(the division by the world size, casts, views: ``recompute.recomputable`` symbols whose outputs nothing else
+(the division by the world size, casts, views: ``mincut.recomputable`` symbols whose outputs nothing else
 reads), moves up to just after the symbol that completes the last of their inputs; the wait of reduce-scatter
 ``j`` runs just before reduce-scatter ``j + max_inflight`` is issued (at most ``max_inflight`` in flight), or,
 for the last ones, where it was; ``del``s are placed again at last use. An in-flight reduce-scatter costs its
@@ -37,7 +37,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     without_dels,
 )
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import recompute
+from thunder_fsdp_mem.passes import mincut
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
 from thunder_fsdp_mem.passes.edit import rebuilt
@@ -81,7 +81,7 @@ def _preparing(bsyms: list, scatter: int, index: DefUse) -> tuple[int, ...]:
     while frontier:
         for a in bsyms[frontier.pop()].flat_proxy_args:
             p = index.producer.get(a.name)
-            if p is None or p in chain or not recompute.recomputable(bsyms[p]):
+            if p is None or p in chain or not mincut.recomputable(bsyms[p]):
                 continue
             if all(r in chain for o in bsyms[p].flat_proxy_outs for r in index.readers.get(o.name, ())):
                 chain.add(p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder_fsdp_mem.analysis.step import Stage, StepMemory
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory
 from thunder_fsdp_mem.predict.measure import Measurement
 
 

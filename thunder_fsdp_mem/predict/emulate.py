@@ -20,12 +20,13 @@ from contextlib import nullcontext
 import torch
 import thunder
 
-from thunder_fsdp_mem.analysis.step import StepMemory, estimate_step
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.analysis.step import estimate_step
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2
 from thunder_fsdp_mem.predict.meta import as_on, fake_ranks
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 MODES = ("fsdp2", "thunder-fsdp", "jit")
@@ -34,7 +35,7 @@ LOSSES = ("eager", "trace")
 
 
 def trace_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     *,
     mode: str = "jit",
     shard: str | None = None,
@@ -84,7 +85,7 @@ def trace_step(
         jitted = thunder.jit(model, executors=chosen, transforms=transforms)
         if mode == "thunder-fsdp":
             jitted = runtime.thunder_fsdp(jitted, shard=shard, device=torch.device("meta"))
-        idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
+        idx, targets = litgpt_models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         if loss == "trace":
             value = jitted(idx, targets)
         else:
@@ -96,7 +97,7 @@ def trace_step(
         return estimate_step(jitted, loss=eager, optimizer=optimizer, device_type=device_type)
 
 
-def plan_step(spec: models.ModelSpec, config: MemoryConfig, **options) -> tuple[StepMemory, FSDPMemoryTransform]:
+def plan_step(spec: litgpt_models.ModelSpec, config: MemoryConfig, **options) -> tuple[StepMemory, FSDPMemoryTransform]:
     """``trace_step(spec, **options)`` with ``FSDPMemoryTransform(config)``, and that transform (its ``rewrites``
     say what it did). With a ``memory_budget`` under FSDP2 the blocks run with the ``saved_budget`` that
     ``fsdp2.fit_budget`` finds for the step."""

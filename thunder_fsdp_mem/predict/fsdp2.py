@@ -5,8 +5,8 @@ for the model, no other ranks.
 Entry points: ``compose_step(spec, *, world_size, shard, ...) -> StepMemory``; ``fit_budget(spec, config, ...)``,
 the ``MemoryConfig.saved_budget`` each block's transform needs for the step to fit a per-rank budget.
 
-The set-up is ``benchmarks/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``, ``wte``,
-``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
+The set-up is ``benchmarks/performance/compare.py``'s (``modes._fsdp2``): ``fully_shard`` on each Block, ``lm_head``,
+``wte``, ``ln_f`` and then the root, bf16 parameters, ``reshard_after_forward`` for zero3 only; the whole model under
 ``torch.compile(backend=ThunderCompiler(...))``; the loss eager cross-entropy on the logits, or (``loss="trace"``)
 in the step: ``LossModel`` is the root and keeps ``lm_head`` (``modes.shard_fsdp2(..., root=LossModel(gpt))``).
 
@@ -30,14 +30,14 @@ How such a step runs, and how it is composed here:
     bytes); the reduce-scatter's output, the sharded gradient, is allocated and kept, and only then are the
     unsharded gradients freed (``foreach_reduce`` clears its list, but the parameters' ``grad`` still hold them);
     the input is freed when the next unit's reduce-scatter starts (the last at the end of the backward).
-- The caller holds the logits until ``backward`` returns; the loss is ``step.loss_allocations``.
+- The caller holds the logits until ``backward`` returns; the loss is ``eager_loss.loss_allocations``.
 - With the loss in the step, the root's pre-forward gathers the head's weight before any other unit and FSDP2
   keeps a root gathered through the backward; after ``ln_f`` the head, its soft-cap and the loss are one ThunderFX
   graph (``thunderfx.trace_tail``, which the transform chunks), whose backward runs first; the root's gradients
   are reduce-scattered last, in FSDP2's final callback (the root's input, the token ids, takes no gradient to hook).
 
-What each unit, FSDP2, autograd and the caller hold is kept in ``step.Holdings``, the same ledger ``estimate_step``
-composes its step with, and the step is ``step.step_memory`` of its phases. ``_compose`` walks the step: the
+What each unit, FSDP2, autograd and the caller hold is kept in ``holdings.Holdings``, the same ledger ``estimate_step``
+composes its step with, and the step is ``phases.step_memory`` of its phases. ``_compose`` walks the step: the
 persistent state, each unit's forward (``_Forward``) between FSDP2's gathers, the loss, each unit's backward
 (``_Backward``) between FSDP2's gathers and reduce-scatters, the optimizer's step. The units, what the ledger holds
 and FSDP2's own collectives are ``fsdp2_units``'.
@@ -57,24 +57,17 @@ import warnings
 import torch
 from litgpt import GPT
 
-from thunder_fsdp_mem.analysis.allocator import over_cap
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import Allocation
+from thunder_fsdp_mem.analysis.timeline import Allocation
 from thunder_fsdp_mem.analysis.provenance import is_head
-from thunder_fsdp_mem.analysis.step import (
-    Holder,
-    Holdings,
-    Key,
-    Role,
-    Stage,
-    StepMemory,
-    adam_step_allocation,
-    loss_allocations,
-    step_memory,
-)
+from thunder_fsdp_mem.analysis.eager_loss import loss_allocations
+from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role
+from thunder_fsdp_mem.analysis.optimizer import adam_step_allocation
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory, step_memory
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict.fsdp2_units import (
     AUTOGRAD,
     CALLER,
@@ -91,7 +84,7 @@ from thunder_fsdp_mem.predict.fsdp2_units import (
 )
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.predict.thunderfx import BlockTraces, trace_blocks, trace_tail
-from thunder_fsdp_mem.training import models, runtime
+from thunder_fsdp_mem.training import litgpt_models, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 UNSUPPORTED = ("final_logit_softcapping", "rope_indices")
@@ -99,7 +92,7 @@ LOSSES = ("eager", "trace")
 
 
 def compose_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     *,
     world_size: int,
     shard: str,
@@ -131,7 +124,7 @@ def compose_step(
         with torch.device("meta"):
             gpt = GPT(config)
         gpt = gpt.to(dtype)
-        idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
+        idx, targets = litgpt_models.batch(spec, micro_batch_size=micro_batch_size, device="meta")
         blocks = trace_blocks(gpt, idx, chosen, transform, device_type)
         tail = None
         if loss == "trace":
@@ -141,15 +134,15 @@ def compose_step(
 
 
 def fit_budget(
-    spec: models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3, **options
+    spec: litgpt_models.ModelSpec, config: MemoryConfig, *, world_size: int, shard: str, rounds: int = 3, **options
 ) -> tuple[StepMemory, MemoryConfig, FSDPMemoryTransform]:
     """``config.memory_budget``, a per-rank budget for the whole step, turned into what each block may save: FSDP2
     compiles every block alone, so its transform cannot see the step. The step's peak is where every block's saved
     tensors are alive (the loss, the first blocks' backward), so each block saves its share of the excess less
     (``MemoryConfig.saved_budget``), for up to ``rounds`` rounds while the composed step is over the budget (or,
-    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``allocator.over_cap``). Returns
-    the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform (whose
-    ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
+    with ``config.memory_cap``, misses the cap in the caching allocator's replay: ``caching_allocator.over_cap``).
+    Returns the step, the config its blocks ran with (no step budget, no cap: a saved budget), and their transform
+    (whose ``rewrites`` say what it did). ``options``: ``compose_step``'s."""
     with warnings.catch_warnings():  # the blocks' unmet saved budgets: the plan says what it reached, once
         warnings.filterwarnings("ignore", message="FSDPMemoryTransform: pass '.*' could not meet")
         return _fit_budget(spec, config, world_size=world_size, shard=shard, rounds=rounds, **options)
@@ -230,7 +223,7 @@ def _loss(ledger: Holdings, logits_key: Key) -> None:
 
 def _optimizer_step(ledger: Holdings, model_units: list[Unit], gpt, device_type: str) -> None:
     """AdamW's step over the shards, in the model's order of parameters, as torch runs it on the device
-    (``step.adam_step_bytes``); the caller still holds the logits."""
+    (``optimizer.adam_step_bytes``); the caller still holds the logits."""
     kind = "foreach" if device_type == "cuda" else "single tensor"
     shards = {f"{unit.path}.{name}": shard for unit in model_units for name, shard in unit.shards.items()}
     sizes = [(shards[q].nbytes, shards[q].dtype) for q, _ in gpt.named_parameters() if q in shards]

@@ -11,7 +11,7 @@ buffers its code in torch 2.11 holds, for as long as it holds them (``fsdp2``'s 
 prefetching the unit that runs next), ``post_backward`` (reshard, then the reduce-scatter into the gradient shard),
 ``forward_done`` and ``backward_done`` (the last buffers of each).
 
-What the ledger (``step.Holdings``) holds is named by ``Held``; its holders are ``MODEL``, ``CALLER``, ``FSDP2`` and
+What the ledger (``holdings.Holdings``) holds is named by ``Held``; its holders are ``MODEL``, ``CALLER``, ``FSDP2`` and
 ``AUTOGRAD``; ``record``, ``tensor_record`` and ``renamed`` make its allocations. ``hold_persistent`` holds what
 the step holds throughout: the shards, their AdamW moments, the model's buffers, the step's inputs.
 """
@@ -27,8 +27,10 @@ import torch
 from litgpt.model import Block
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import OUTSIDE, Allocation, MemoryTimeline
-from thunder_fsdp_mem.analysis.step import Holder, Holdings, Key, Role, Stage, adam_state, held_allocation
+from thunder_fsdp_mem.analysis.timeline import OUTSIDE, Allocation, MemoryTimeline
+from thunder_fsdp_mem.analysis.holdings import Holder, Holdings, Key, Role, held_allocation
+from thunder_fsdp_mem.analysis.optimizer import adam_state
+from thunder_fsdp_mem.analysis.phases import Stage
 from thunder_fsdp_mem.analysis.symbols import dtype_name
 
 
@@ -67,8 +69,8 @@ class Unit:
 
 
 def units(gpt, world_size: int, *, loss_in_step: bool = False) -> list[Unit]:
-    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/compare.py`` wraps it, in the order its forward runs
-    (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
+    """The units of a litgpt ``GPT`` wrapped as ``benchmarks/performance/compare.py`` wraps it, in the order its forward
+    runs (``training.modes.shard_fsdp2``); ``loss_in_step``: under a ``LossModel`` root, whose unit holds the head (its
     hooks would otherwise break Dynamo's graph between the head and the loss), last."""
     t = gpt.transformer
     return [

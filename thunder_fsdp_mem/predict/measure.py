@@ -7,8 +7,8 @@ compile and create the optimizer state; the next step is recorded:
 - on CUDA, after each symbol, ``memory_allocated`` and the peak since the previous probe (``max_memory_allocated``,
   then a reset). The peak of the forward and backward is the largest of those peaks and of the stretch from the
   last probe to the end of the backward; the whole step's, the optimizer step's included, is read apart (what
-  ``benchmarks/compare.py`` measures). With ``snapshot=True`` rank 0 also records the allocator's history of the
-  step (``torch.cuda.memory._record_memory_history``) and keeps its ``_snapshot()``;
+  ``benchmarks/performance/compare.py`` measures). With ``snapshot=True`` rank 0 also records the allocator's history of
+  the step (``torch.cuda.memory._record_memory_history``) and keeps its ``_snapshot()``;
 - on CPU the same figures, from the allocations torch's profiler records (``cpu_memory``: MemTracker, a dispatch
   mode, would have Dynamo run the FSDP2 step eagerly); of ``cpu_memory.REPEATS`` recorded steps the one with the
   least peak is kept (the profiler does not see the frees on gloo's worker thread).
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.predict.cpu_memory import REPEATS, CPUMemory
 from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
-from thunder_fsdp_mem.training import models, modes, runtime
+from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
 WARMUP = 2
 # The report's mode, with or without FSDPMemoryTransform -> the set-up ``modes.build`` makes.
@@ -65,10 +65,10 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class Measurement:
     """One rank's recorded step. ``peak_bytes``: the peak of the forward and backward, what the prediction covers;
-    ``step_peak_bytes``: with the optimizer step, what ``benchmarks/compare.py`` measures. ``after_probes_bytes``:
-    the peak after the last probe until the optimizer step (the end of the backward); ``optimizer_peak_bytes``:
-    from there to the end of the step (the optimizer's step). ``snapshot``: the CUDA allocator's
-    ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
+    ``step_peak_bytes``: with the optimizer step, what ``benchmarks/performance/compare.py`` measures.
+    ``after_probes_bytes``: the peak after the last probe until the optimizer step (the end of the backward);
+    ``optimizer_peak_bytes``: from there to the end of the step (the optimizer's step). ``snapshot``: the CUDA
+    allocator's ``torch.cuda.memory._snapshot()`` of the recorded step, where asked for (rank 0, CUDA)."""
 
     rank: int
     world_size: int
@@ -84,7 +84,7 @@ class Measurement:
 
 
 def measure_step(
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     rank: runtime.Rank,
     *,
     mode: str,
@@ -117,7 +117,7 @@ def measure_step(
         loss=loss,
         **configured,
     )
-    idx, targets = models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
+    idx, targets = litgpt_models.batch(spec, micro_batch_size=micro_batch_size, device=rank.device, seed=rank.rank)
     for _ in range(WARMUP):
         trainer.step(idx, targets)
     best = None

@@ -21,10 +21,10 @@ Every rank computes the same plan from the same arguments (tracing on the meta d
 the ranks' transforms make the same choices and issue the same collectives. Call it before ``torch.compile``: it
 resets Dynamo, whose compiled code it would otherwise mix with its own.
 
-Limitations: what ``fsdp2.compose_step`` models (litgpt's ``GPT`` with the wrapping of ``benchmarks/compare.py``:
-each Block, ``wte``, ``ln_f``, ``lm_head`` or a ``LossModel`` root, the root; AdamW); parameters
-computed in their own dtype (a ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the parameters' is
-refused); a litgpt configuration known by name (``Config.from_name``), with any of its fields changed.
+Limitations: what ``fsdp2.compose_step`` models (litgpt's ``GPT`` with the wrapping of
+``benchmarks/performance/compare.py``: each Block, ``wte``, ``ln_f``, ``lm_head`` or a ``LossModel`` root, the root;
+AdamW); parameters computed in their own dtype (a ``MixedPrecisionPolicy`` whose ``param_dtype`` differs from the
+parameters' is refused); a litgpt configuration known by name (``Config.from_name``), with any of its fields changed.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from collections.abc import Sequence
 import torch
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import LossModel
+from thunder_fsdp_mem.loss.modules import LossModel
 from thunder_fsdp_mem.predict import fsdp2
-from thunder_fsdp_mem.analysis.allocator import over_cap
-from thunder_fsdp_mem.training import models
+from thunder_fsdp_mem.analysis.caching_allocator import over_cap
+from thunder_fsdp_mem.training import litgpt_models
 from thunder_fsdp_mem.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def plan_fsdp2(
     }
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
-    spec = models.ModelSpec.from_config(litgpt_config, block_size=tokens)
+    spec = litgpt_models.ModelSpec.from_config(litgpt_config, block_size=tokens)
     wanted = dataclasses.replace(base, memory_budget=budget, memory_cap=cap, saved_budget=None)
     step, planned, _ = fsdp2.fit_budget(spec, wanted, **options)
     short = over_cap(step, cap) if cap is not None else 0
@@ -189,6 +189,6 @@ def _dtype(gpt) -> torch.dtype:
             "MixedPrecisionPolicy) are not modelled; keep the parameters in the dtype they are "
             "computed in"
         )
-    if dtype not in models.DTYPES.values():
+    if dtype not in litgpt_models.DTYPES.values():
         raise NotImplementedError(f"plan_fsdp2: parameters in {dtype} are not modelled")
     return dtype

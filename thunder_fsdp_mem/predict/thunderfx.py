@@ -25,7 +25,8 @@ from thunder.core.trace import from_trace
 from thunder.dynamo import ThunderCompiler
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.liveness import InputSpec, MemoryTimeline, analyze
+from thunder_fsdp_mem.analysis.liveness import analyze
+from thunder_fsdp_mem.analysis.timeline import InputSpec, MemoryTimeline
 from thunder_fsdp_mem.analysis.provenance import backward_names, scopes_of
 from thunder_fsdp_mem.analysis.symbols import proxy_names
 from thunder_fsdp_mem.passes.driver import Rewrite

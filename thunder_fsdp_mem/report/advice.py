@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thunder_fsdp_mem.analysis.categories import Category
-from thunder_fsdp_mem.analysis.step import Stage, StepMemory
+from thunder_fsdp_mem.analysis.phases import Stage, StepMemory
 from thunder_fsdp_mem.units import format_bytes
 
 

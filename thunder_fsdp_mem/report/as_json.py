@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from thunder_fsdp_mem.analysis.step import StepMemory
-from thunder_fsdp_mem.report.model import Plan, Report, summary_rows
+from thunder_fsdp_mem.analysis.phases import StepMemory
+from thunder_fsdp_mem.report.contents import Plan, Report, summary_rows
 
 
 def render_json(report: Report) -> dict:

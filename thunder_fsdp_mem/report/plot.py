@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder_fsdp_mem.analysis.step import StepMemory, Timeline
-from thunder_fsdp_mem.report.model import Report
+from thunder_fsdp_mem.analysis.phases import StepMemory, Timeline
+from thunder_fsdp_mem.report.contents import Report
 from thunder_fsdp_mem.units import format_bytes, unit_of
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from thunder_fsdp_mem.report.model import TopAllocation
+from thunder_fsdp_mem.report.contents import TopAllocation
 from thunder_fsdp_mem.units import format_bytes
 
 # The top allocations' columns. Where they do not all fit beside a name of ``_NAME_WIDTH`` columns, two tables

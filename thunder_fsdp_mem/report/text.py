@@ -1,5 +1,5 @@
 """The report as text: ``render_text(report, width=..., color=...) -> str``, rich tables in one string (only the
-CLI prints it). It reads a ``Report`` (``model``) and computes nothing of its own: the summary of each plan, what
+CLI prints it). It reads a ``Report`` (``contents``) and computes nothing of its own: the summary of each plan, what
 the caching allocator's replay reserves, the bytes at the peak by category, what the transform did and what it
 recomputes, the largest allocations at the peak, the advice, the measured step beside the predicted one, and last
 the peak per rank (one line, what users grep)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import io
 
-from thunder_fsdp_mem.analysis.allocator import Reserved
+from thunder_fsdp_mem.analysis.caching_allocator import Reserved
 from thunder_fsdp_mem.analysis.cost import H200
 from thunder_fsdp_mem.passes.driver import Rewrite
 from thunder_fsdp_mem.predict.comparison import Comparison
-from thunder_fsdp_mem.report.model import Report, summary_rows
+from thunder_fsdp_mem.report.contents import Report, summary_rows
 from thunder_fsdp_mem.report.tables import GAP as _GAP, short_source, table, top_tables
 from thunder_fsdp_mem.units import format_bytes
 

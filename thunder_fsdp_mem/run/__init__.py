@@ -13,7 +13,3 @@ in the manner of ``memray run`` or ``nsys profile``::
   rendered as a short block of text or as JSON.
 - ``main(argv) -> int`` (``command``): the options, the run, the block on rank 0's stderr; the program's exit code.
 """
-
-from thunder_fsdp_mem.run.command import main
-
-__all__ = ["main"]

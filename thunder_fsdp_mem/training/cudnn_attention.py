@@ -2,8 +2,8 @@
 
 On an H200 with torch 2.11, ``F.scaled_dot_product_attention`` (eager, and what torch.compile calls) runs cuDNN's
 fused attention for litgpt's causal 16-bit attention; Thunder's ``sdpa`` executor calls torch's flash (or
-memory-efficient) kernels directly, which are slower there (profiled with ``benchmarks/profile_step.py``; the
-figures in ``docs/results.md``, Table 13). Thunder's own ``cudnn`` executor needs the
+memory-efficient) kernels directly, which are slower there (profiled with ``benchmarks/performance/profile_step.py``;
+the figures in ``docs/results.md``, Table 13). Thunder's own ``cudnn`` executor needs the
 ``cudnn`` frontend package, which is not installed with torch. This executor claims
 ``ltorch.scaled_dot_product_attention`` where torch would choose cuDNN and calls the same ATen ops torch's
 autograd calls (``aten._scaled_dot_product_cudnn_attention`` and its backward): the kernels, their results and the

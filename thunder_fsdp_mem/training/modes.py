@@ -2,8 +2,8 @@
 
 ``build(mode, spec, rank, ...) -> Trainer`` gives a model ready for ``Trainer.step(idx, targets)`` (forward,
 cross-entropy loss, backward, AdamW step, ``zero_grad``). The loss is computed eagerly on the logits as Thunder's
-``benchmark_litgpt.py`` does, or, as ``loss`` says (``losses.LOSSES``), compiled with the model or by an external
-fused loss after it. The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
+``benchmark_litgpt.py`` does, or, as ``loss`` says (``loss_placement.LOSSES``), compiled with the model or by an
+external fused loss after it. The FSDP2 wrapping is ``benchmark_litgpt.py``'s: each Block, ``lm_head``, ``wte``,
 ``ln_f``, then the root (``shard_fsdp2``), computed in the parameters' dtype; ``reshard_after_forward`` is on for zero3.
 ``inductor+ckpt`` is torch.compile with every Block under activation checkpointing (``checkpoint_wrapper``,
 non-reentrant), the least memory torch offers; torch.compile's modes take ``activation_memory_budget``, its
@@ -20,8 +20,8 @@ import thunder
 from litgpt import GPT
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.loss.model import HiddenStates, LossModel
-from thunder_fsdp_mem.training import losses, models, runtime
+from thunder_fsdp_mem.loss.modules import HiddenStates, LossModel
+from thunder_fsdp_mem.training import litgpt_models, loss_placement, runtime
 from thunder_fsdp_mem.transform import FSDPMemoryTransform
 
 DISTRIBUTED_MODES = (
@@ -34,7 +34,7 @@ DISTRIBUTED_MODES = (
     "fsdp1-inductor",
 )
 SINGLE_MODES = ("thunder", "thunder+mem", "inductor", "inductor+ckpt", "eager")
-WHAT_EACH_RUNS = {  # what ``benchmarks/compare.py --help`` says of each mode
+WHAT_EACH_RUNS = {  # what ``benchmarks/performance/compare.py --help`` says of each mode
     "thunder-fsdp": "thunder.jit under Thunder's fsdp (thunder.distributed.fsdp)",
     "thunder-fsdp+mem": "the same with FSDPMemoryTransform",
     "fsdp2-thunder": "FSDP2 (fully_shard per block) compiled by ThunderFX (ThunderCompiler)",
@@ -73,7 +73,7 @@ class Trainer:
     jitted: torch.nn.Module | None = None
     backend: object | None = None
     transform: object | None = None  # the FSDPMemoryTransform of a +mem mode
-    loss: str = "eager"  # where the step computes its loss (``losses.LOSSES``)
+    loss: str = "eager"  # where the step computes its loss (``loss_placement.LOSSES``)
 
     def precompile(self, idx: torch.Tensor, targets: torch.Tensor) -> bool:
         """Compile for ``idx`` without running anything on the device, where the compiler can: ``thunder.jit``
@@ -81,7 +81,7 @@ class Trainer:
         while it runs the step, so the other modes compile in their first step. True if it compiled here."""
         if self.jitted is None:
             return False
-        args = (idx, targets) if self.loss in losses.INSIDE else (idx,)
+        args = (idx, targets) if self.loss in loss_placement.INSIDE else (idx,)
         thunder.compile_data(self.jitted).get_computation_and_inputs(*args)
         return True
 
@@ -121,7 +121,7 @@ class Trainer:
 
 def build(
     mode: str,
-    spec: models.ModelSpec,
+    spec: litgpt_models.ModelSpec,
     rank: runtime.Rank,
     *,
     shard: str = "zero2",
@@ -135,13 +135,13 @@ def build(
     """``memory``: the ``MemoryConfig`` of the +mem modes (the others run without the transform). ``probe``: a
     Thunder transform listed after every other one (``probes.MemoryProbeTransform``), for the modes that compile
     with Thunder. ``activation_memory_budget``: torch.compile's, for its modes (None: its default, 1.0).
-    ``loss``: where the step computes its loss (``losses.LOSSES``): ``trace`` compiles the model with its loss (the
-    user's forms ``view`` and ``litgpt`` too);
+    ``loss``: where the step computes its loss (``loss_placement.LOSSES``): ``trace`` compiles the model with its
+    loss (the user's forms ``view`` and ``litgpt`` too);
     ``liger``/``cce``/``chunked`` (single-device modes and FSDP2) compile the model up to its final norm and run
     that fused loss after it."""
-    if loss not in losses.LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(losses.LOSSES)}, got {loss!r}")
-    if loss in losses.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
+    if loss not in loss_placement.LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(loss_placement.LOSSES)}, got {loss!r}")
+    if loss in loss_placement.OUTSIDE and mode in ("thunder-fsdp", "thunder-fsdp+mem", "fsdp1-inductor"):
         raise ValueError(f"mode {mode} shards the head's weight where an external loss cannot gather it")
     if probe is not None and mode not in THUNDER_MODES:
         raise ValueError(f"mode {mode} does not compile with Thunder: nothing to probe")
@@ -194,7 +194,7 @@ def _cpu_inductor() -> None:
     torch._inductor.config.compile_threads = 1
 
 
-def _gpt(spec: models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
+def _gpt(spec: litgpt_models.ModelSpec, rank: runtime.Rank, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(rank.device):
         gpt = spec.gpt()
@@ -211,17 +211,18 @@ def _with_loss(gpt: GPT, loss: str, compile_body: Callable[[torch.nn.Module], to
     if loss == "eager":
         compiled = compile_body(gpt)
         return compiled, compiled
-    if loss in losses.INSIDE:
+    if loss in loss_placement.INSIDE:
         compiled = compile_body(_inside(gpt, loss))
         return compiled, compiled
-    model = losses.ExternalLoss(gpt, loss)
+    model = loss_placement.ExternalLoss(gpt, loss)
     model.set_body(compile_body(HiddenStates(gpt)))
     return model, model.body
 
 
 def _inside(gpt: GPT, loss: str) -> torch.nn.Module:
-    """The model with its loss in one module: ``LossModel`` (``trace``) or the user's own (``losses.UserLoss``)."""
-    return LossModel(gpt) if loss == "trace" else losses.UserLoss(gpt, loss)
+    """The model with its loss in one module: ``LossModel`` (``trace``) or the user's own
+    (``loss_placement.UserLoss``)."""
+    return LossModel(gpt) if loss == "trace" else loss_placement.UserLoss(gpt, loss)
 
 
 def _thunder(mode, spec, rank, executors, dtype, loss, *, shard: str | None, mem, probe) -> Trainer:
@@ -242,8 +243,8 @@ def shard_fsdp2(gpt: GPT, shard: str, root: torch.nn.Module | None = None) -> to
     """``fully_shard`` on each Block, ``lm_head``, ``wte``, ``ln_f`` and the root, as ``benchmark_litgpt.py`` wraps
     a litgpt model; ``shard``: zero2, or zero3 (``reshard_after_forward``). The parameters are computed in the dtype
     they are in (bf16 in every benchmark: the ``MixedPrecisionPolicy`` casts nothing then). ``root``: a module
-    holding ``gpt`` and its loss (``LossModel``, ``losses.ExternalLoss``), the root unit then, which keeps the head
-    (no unit of its own, whose hooks would break Dynamo's graph between the head and the loss) and, where the
+    holding ``gpt`` and its loss (``LossModel``, ``loss_placement.ExternalLoss``), the root unit then, which keeps the
+    head (no unit of its own, whose hooks would break Dynamo's graph between the head and the loss) and, where the
     embedding shares the head's weight, the embedding. Returns the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -283,11 +284,11 @@ def _fsdp2(mode, spec, rank, shard, dtype, loss, *, compiler) -> Trainer:
     if loss == "eager":
         root = shard_fsdp2(gpt, shard)
         model = compile_body(root)
-    elif loss in losses.INSIDE:
+    elif loss in loss_placement.INSIDE:
         root = shard_fsdp2(gpt, shard, _inside(gpt, loss))
         model = compile_body(root)
     else:
-        root = model = shard_fsdp2(gpt, shard, losses.ExternalLoss(gpt, loss))
+        root = model = shard_fsdp2(gpt, shard, loss_placement.ExternalLoss(gpt, loss))
         model.set_body(compile_body(HiddenStates(gpt)))
     return Trainer(mode, model, _adamw(root), backend=backend, transform=transform, loss=loss)
 
