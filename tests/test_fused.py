@@ -3,7 +3,8 @@ executor, then one fusion executor:
 nvFuser where installed, else its torch.compile executor without the distributed prims), and the transform on the
 traces it makes. On CPU the torch.compile executor fuses whole layers (sdpa does not claim CPU attention).
 
-- One device: with the transform, the step is bit for bit Thunder's; the estimate of the real run is what the
+- One device: with the transform (attention's scores kept from the forward: ``recompute_scores=False``), the step is
+  bit for bit Thunder's; the estimate of the real run is what the
   report predicts on the meta device.
 - Thunder's fsdp on 2 gloo ranks, ZeRO2 and ZeRO3: bit for bit, and the FSDP passes still rewrite the traces
   between the fused regions: fewer gathered parameters at once, none saved and all gathered again in backward
@@ -20,7 +21,7 @@ from configs import BY_NAME
 from support import torchrun
 from thunder_fsdp_mem import estimate_step
 from thunder_fsdp_mem.analysis.symbols import is_fusion
-from thunder_fsdp_mem.config import DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS
+from thunder_fsdp_mem.config import DEFAULT_MAX_INFLIGHT_REDUCE_SCATTERS, MemoryConfig
 from thunder_fsdp_mem.passes.driver import Outcome
 from thunder_fsdp_mem.predict.emulate import trace_step
 from thunder_fsdp_mem.training import litgpt_models, modes, runtime
@@ -30,7 +31,10 @@ CPU = runtime.Rank(0, 1, torch.device("cpu"))
 
 
 def _step(mode: str):
-    trainer = modes.build(mode, SPEC, CPU, executors="fused", dtype=torch.bfloat16)
+    # On CPU no attention executor claims attention: the fusion executor fuses it decomposed, whose (T, T) scores
+    # the default transform computes again in backward (another kernel, other rounding); without that, bit for bit.
+    memory = MemoryConfig(recompute_scores=False)
+    trainer = modes.build(mode, SPEC, CPU, executors="fused", dtype=torch.bfloat16, memory=memory)
     idx, targets = litgpt_models.batch(SPEC)
     logits = trainer.model(idx)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

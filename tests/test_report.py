@@ -235,9 +235,10 @@ def test_at_80_columns_report_and_fit_keep_every_column_unit_and_name(family, mo
     # the fixture's predicted peaks (its search, a step traced per candidate, is tests/test_fit.py's).
     from litgpt.config import name_to_config
 
-    from thunder_fsdp_mem.predict.fit import Largest, StepFit, longest_for
-    from thunder_fsdp_mem.report import render_fit, render_text
-    from thunder_fsdp_mem.report.model import summary_rows
+    from thunder_fsdp_mem.predict.largest_step import Largest, StepFit, longest_for
+    from thunder_fsdp_mem.report.contents import summary_rows
+    from thunder_fsdp_mem.report.fit_table import render_fit
+    from thunder_fsdp_mem.report.text import render_text
     from thunder_fsdp_mem.units import format_bytes
 
     report = request.getfixturevalue(family)

@@ -10,7 +10,7 @@ from thunder.distributed import prims as distributed_prims
 from thunder.executors.passes import del_last_used
 from thunder.extend import get_all_executors
 
-from thunder_fsdp_mem.analysis import allocations, cost, effects, provenance, symbols
+from thunder_fsdp_mem.analysis import cost, effects, provenance, symbols, timeline
 from thunder_fsdp_mem.loss import operator as loss_operator
 from thunder_fsdp_mem.passes import casts, mincut
 from thunder_fsdp_mem.training import cudnn_attention
@@ -167,7 +167,7 @@ def _tables() -> dict[str, frozenset[str]]:
     tables["cost.ATTENTION"], tables["cost._NO_KERNEL"] = cost.ATTENTION, cost._NO_KERNEL
     for name in "_MOVES _SHAPES _NO_CODE _IN_TRANSIT".split():
         tables[f"provenance.{name}"] = getattr(provenance, name)
-    tables["allocations._HEAD_OPS"] = allocations._HEAD_OPS
+    tables["timeline._HEAD_OPS"] = timeline._HEAD_OPS
     return tables
 
 

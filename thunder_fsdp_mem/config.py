@@ -73,6 +73,11 @@ class MemoryConfig:
         would otherwise differentiate attention's decomposition and save its (T, T) probabilities for backward. The
         results are then that attention executor's, which differ from the decomposition's by rounding; False
         leaves the program's choice.
+    recompute_scores: with ``fusion_rematerialize``, where attention stays decomposed inside a fusion region (a
+        soft-cap, a mask, a fusion executor that claims attention), the backward's region computes the (T, T) scores
+        and probabilities again from the query and key instead of the forward keeping them (``passes/fusions.py``),
+        where that is cheaper than keeping them. Recomputed in another kernel, they can round otherwise, so the
+        results then differ from the run without it by rounding; False keeps them from the forward.
     strict: raise instead of warning when a trace is not understood, a rewrite fails its checks, or a budget
         cannot be met (a warning returns the trace unchanged, or rewritten to the least peak reachable).
     """
@@ -94,6 +99,7 @@ class MemoryConfig:
     budget_optimizer: str | None = "adamw"
     chunk_loss: bool = True
     route_attention: bool = True
+    recompute_scores: bool = True
     strict: bool = False
 
     def __post_init__(self) -> None:
@@ -106,6 +112,7 @@ class MemoryConfig:
             "scatters",
             "chunk_loss",
             "route_attention",
+            "recompute_scores",
             "strict",
         ):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "a bool (True or False)")

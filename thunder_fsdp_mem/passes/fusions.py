@@ -57,19 +57,21 @@ class FusionError(PassError):
     """Thunder's rematerialization helpers did not take a pair of these traces' fusions."""
 
 
-def into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
+def into_consumers(forward: TraceCtx, backward: TraceCtx, *, scores: bool = True) -> tuple[TraceCtx, TraceCtx, int]:
     """``forward`` and ``backward`` with each forward fusion's cut to each backward fusion taken again (see the
     module's docstring), and the bytes the forward saves less; the traces themselves and 0 where nothing moves.
-    Raises ``FusionError`` where Thunder's helpers fail on them (the driver then keeps the traces, with a warning)."""
+    ``scores``: the cut also crosses attention's expanding matmul (``_through_expansions``,
+    ``MemoryConfig.recompute_scores``). Raises ``FusionError`` where Thunder's helpers fail on them (the driver then
+    keeps the traces, with a warning)."""
     try:
-        return _into_consumers(forward, backward)
+        return _into_consumers(forward, backward, scores)
     except (RuntimeError, AssertionError, ValueError, KeyError, NotImplementedError) as e:
         if isinstance(e, PassError):
             raise
         raise FusionError(f"Thunder's rematerialization did not take these fusions: {type(e).__name__}: {e}") from e
 
 
-def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, TraceCtx, int]:
+def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tuple[TraceCtx, TraceCtx, int]:
     saved = mincut.saved_tensors(forward)
     fw = without_dels(forward.bound_symbols)
     bw = without_dels(backward.bound_symbols)
@@ -107,7 +109,9 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx) -> tuple[TraceCtx, Tr
                 if isinstance(o, TensorProxy)
                 and (o.name in returned or any(r is not consumer for r in readers_of.get(o.name, ())))
             )
-            cut = _through_expansions(p_now, c_now, remat.find_cut(external, p_now, c_now), saved_names)
+            cut = remat.find_cut(external, p_now, c_now)
+            if scores:
+                cut = _through_expansions(p_now, c_now, cut, saved_names)
             if not cut:
                 continue
             c_new = remat.apply_rematerialization_for_consumer(p_now, c_now, cut)
@@ -230,7 +234,7 @@ def _with(trace: TraceCtx, bsyms: list) -> TraceCtx:
 
 
 def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
-    forward, backward, less = into_consumers(pair.forward, pair.backward)
+    forward, backward, less = into_consumers(pair.forward, pair.backward, scores=config.recompute_scores)
     if forward is pair.forward:
         return Proposal(forward, backward)
     return Proposal(

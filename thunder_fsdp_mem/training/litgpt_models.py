@@ -14,6 +14,7 @@ import torch
 from litgpt import GPT, Config
 
 from thunder_fsdp_mem.loss.modules import LossModel
+from thunder_fsdp_mem.window_mask import vectorize_window_masks
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -69,8 +70,6 @@ class ModelSpec:
         asked)."""
         gpt = GPT(self.config())
         if self.vectorized_window_masks:
-            from thunder_fsdp_mem.window_mask import vectorize_window_masks
-
             vectorize_window_masks(gpt)
         return gpt
 
