@@ -183,7 +183,7 @@ def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] |
     """The symbols of a fusion region that compute ``value`` from values in ``stop`` (saved anyway, or the region's
     inputs), and those values; None where the walk meets an op the cut may not recompute (a matmul that does not
     expand, a random op, an in-place copy)."""
-    chain, frontier, seen, todo = [], {}, set(), [value]
+    chain, frontier, seen, todo = {}, {}, set(), [value]
     while todo:
         t = todo.pop()
         if t.name in seen:
@@ -195,10 +195,9 @@ def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] |
         bsym = produced[t.name]
         if not (recomputable(bsym) or expanding(bsym)):
             return None
-        if id(bsym) not in {id(c) for c in chain}:
-            chain.append(bsym)
+        chain.setdefault(id(bsym), bsym)
         todo.extend(a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy))
-    return chain, list(frontier.values())
+    return list(chain.values()), list(frontier.values())
 
 
 def _resaved(forward, backward, new_fw: list, new_bw: list, saved) -> tuple[TraceCtx, TraceCtx, int]:
