@@ -138,11 +138,11 @@ def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
     adds fewer bytes to what the forward saves than it removes. Thunder's own cut never crosses a matmul; attention
     decomposed inside one fusion (a soft-cap, a mask, a fusion executor that claims attention) keeps its (T, T)
     tensors alive from forward to backward without this."""
-    produced = {o.name: s for s in producer.subsymbols for o in s.flat_proxy_outs}
     inputs = {a.name for a in producer.flat_proxy_args}
-    proxies = {a.name: a for a in producer.flat_proxy_args} | {
-        o.name: o for b in producer.subsymbols for o in b.flat_proxy_outs
-    }  # Thunder's cut may name its values
+    produced, proxies = {}, {a.name: a for a in producer.flat_proxy_args}  # proxies: Thunder's cut may name values
+    for b in producer.subsymbols:
+        for o in b.flat_proxy_outs:
+            produced[o.name], proxies[o.name] = b, o
     reads = (
         [proxies[c] if isinstance(c, str) else c for c in cut]
         if cut
