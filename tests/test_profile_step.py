@@ -12,7 +12,7 @@ from benchmarks.performance import profile_step
 def test_each_op_of_a_step_lands_in_the_phase_that_ran_it():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
-    trainer = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    trainer = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), loss="eager")
     idx, targets = torch.randint(0, 16, (1, 4)), torch.randint(0, 16, (1, 4))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         times = profile_step.one_step(

@@ -19,6 +19,7 @@ from configs import NEOX
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.symbols import is_fusion
+from thunder_fsdp_mem.passes import budget
 from thunder_fsdp_mem.passes.mincut import recomputable
 from thunder_fsdp_mem.passes.regions import opened
 from thunder_fsdp_mem.predict.meta import as_on
@@ -55,6 +56,15 @@ def _activations(forward) -> list[tuple[int, ...]]:
     return sorted(tuple(t.shape) for t in saved if isinstance(t, TensorProxy) and t.name not in arguments)
 
 
+def _opened_budget_block():
+    """The block under a saved budget that only recomputing the MLP's first matmul meets, its search kept to opened
+    regions: at this size a whole region costs as little as one matmul, and the budget would recompute it whole."""
+    search = budget._search
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(budget, "_search", lambda *args: search(*args[:-1], True))
+        return _block(MemoryConfig(fusion_rematerialize=False, saved_budget=150 * 1024, strict=True))
+
+
 @pytest.fixture(scope="module")
 def runs():
     return {
@@ -62,6 +72,7 @@ def runs():
         "no fusion remat": _block(MemoryConfig(fusion_rematerialize=False, strict=True)),
         "fusion remat alone": _block(MemoryConfig(rematerialize=False, strict=True)),
         "default": _block(MemoryConfig(strict=True)),
+        "budget, opened": _opened_budget_block(),
     }
 
 
@@ -93,6 +104,18 @@ def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs)
     assert {"erf", "cat"} <= ops, ops  # the GELU, the rotary embedding's concatenation
 
 
+def test_a_budget_recomputes_a_matmul_inside_its_region_bit_for_bit(runs):
+    T, mlp = 64, 512
+    assert _equal(runs["plain"], runs["budget, opened"])
+    assert (1, T, mlp) in _activations(runs["no fusion remat"][2])
+    assert (1, T, mlp) not in _activations(runs["budget, opened"][2])  # the MLP's first matmul's output
+    backward = runs["budget, opened"][3]
+    recomputing = [[s.sym.name for s in b.subsymbols] for b in backward.bound_symbols if is_fusion(b)]
+    # A new region runs the matmul again from its saved input, then the GELU; no layer norm's reduction is rerun.
+    (again,) = [ops for ops in recomputing if "erf" in ops]
+    assert again.count("linear") == 1 and "var_mean" not in again, again
+
+
 def test_a_trace_without_mixed_regions_is_not_opened(runs):
     forward = runs["plain"][2]
     regions = opened(forward.bound_symbols, recomputable)
@@ -101,14 +124,11 @@ def test_a_trace_without_mixed_regions_is_not_opened(runs):
     assert opened(unfused, recomputable) is None
 
 
-def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():
-    # One H100's traces (meta device), the project's fused executors, stablecode-3b's block as FSDP2 runs it: the
-    # forward saves (beyond its arguments) qkv's output (1, T, 3C), the MLP's first matmul's output (1, T, 4C),
-    # the attention's output and log-sum-exp, and the layer norms' statistics: 321 MiB, as with Thunder's default
-    # executors, where 561 MiB were saved before (the GELU's output and the rotated query and key, 240 MiB).
+def _stablecode_block(transform):
+    """stablecode-3b's block at 8192 tokens as FSDP2 runs it, traced on the meta device with the project's fused
+    executors as on one H100: (the forward's saved tensors beyond its arguments, the transform)."""
     spec = litgpt_models.ModelSpec(name="stablecode-completion-alpha-3b", n_layers=1, block_size=8192)
     executors = runtime.executors("fused")
-    transform = FSDPMemoryTransform()
     with as_on("cuda", executors):
         with torch.device("meta"):
             gpt = GPT(spec.config()).to(torch.bfloat16)
@@ -122,8 +142,36 @@ def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():
     forward = thunder.last_traces(fn)[-1]
     arguments = {a.name for a in forward.args if isinstance(a, TensorProxy)}
     saved = [t for t in forward.bound_symbols[-1].args[1][0] if isinstance(t, TensorProxy) and t.name not in arguments]
-    MiB = 2**20
+    return saved, transform
+
+
+MiB = 2**20
+
+
+def test_stablecode_block_at_8192_tokens_saves_what_the_default_executors_do():
+    # The forward saves (beyond its arguments) qkv's output (1, T, 3C), the MLP's first matmul's output (1, T, 4C),
+    # the attention's output and log-sum-exp, and the layer norms' statistics: 321 MiB, as with Thunder's default
+    # executors, where 561 MiB were saved before (the GELU's output and the rotated query and key, 240 MiB).
+    T = 8192
+    saved, _ = _stablecode_block(FSDPMemoryTransform())
     assert sorted(tuple(t.shape) for t in saved if t.numel * t.dtype.bytes >= MiB) == sorted(
         [(1, T, 7680), (1, T, 10240), (1, 32, T, 80), (1, 32, T, 1)]
     )
     assert sum(t.numel * t.dtype.bytes for t in saved) == (120 + 160 + 40 + 1) * MiB + 4 * T * 4
+
+
+@pytest.mark.parametrize(
+    "budget_mib, dropped, matmuls",
+    [(300, [(1, 8192, 7680)], 1), (200, [(1, 8192, 7680), (1, 8192, 10240)], 2)],
+)
+def test_stablecode_block_under_a_saved_budget_recomputes_single_matmuls(budget_mib, dropped, matmuls):
+    # Each budget gives up the matmul outputs that fit it at the least time, qkv's first (0.41 ms for 120 MiB at
+    # H200 rates), then the MLP's (0.54 ms, 160 MiB), each recomputed alone from its saved input; a whole region
+    # (norm, qkv and the rotary embedding; or the MLP's three matmuls) would cost more time for what it frees.
+    saved, transform = _stablecode_block(FSDPMemoryTransform(MemoryConfig(saved_budget=budget_mib * MiB)))
+    shapes = [tuple(t.shape) for t in saved]
+    assert all(shape not in shapes for shape in dropped), shapes
+    assert sum(t.numel * t.dtype.bytes for t in saved) <= budget_mib * MiB
+    (rewrite,) = [r for r in transform.rewrites if r.pass_name == "rematerialization" and r.recomputed]
+    again = [r.symbol for r in rewrite.recomputed for _ in range(r.count)]  # grouped by symbol and source line
+    assert again.count("linear") == matmuls and not any(name.startswith("TorchCompile") for name in again), again

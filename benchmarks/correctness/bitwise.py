@@ -2,13 +2,16 @@
 
     python -m benchmarks.correctness.bitwise --device cuda [--deterministic] [--model stablecode-completion-alpha-3b]
         [--n-layers 1] [--block-size 2048] [--executors default+cat|default|default+inductor|fused] [--dtype bf16|fp32]
-        [--override FIELD=INT ...] [--budget-fraction 0.95] [--least-peak] [--thunderfx] [--only TEXT ...]
+        [--override FIELD=INT ...] [--budget-fraction 0.95] [--least-peak] [--saved-budget 60MiB] [--thunderfx]
+        [--only TEXT ...]
 
 One ``thunder.jit`` step of the litgpt model with its loss (``litgpt_models.build``), then the same step with the
 transform in several configurations: folded casts alone, rematerialization without folding, both without
 reordering, everything; with ``--budget-fraction`` a memory budget at that fraction of the estimated peak with
 everything (the line says whether the estimate met it); with ``--least-peak`` a budget of 1 byte, which the
-transform cannot meet: it warns and recomputes all it can. ``--thunderfx`` compiles through ThunderFX
+transform cannot meet: it warns and recomputes all it can; with ``--saved-budget`` the most each forward may save
+for backward (``MemoryConfig.saved_budget``, what ``plan_fsdp2`` gives each block), without Thunder's fusion
+rematerialization, which changes rounding by design. ``--thunderfx`` compiles through ThunderFX
 (``torch.compile`` with ``ThunderCompiler``, FSDP2's path) instead of ``thunder.jit``: Dynamo leaves to eager
 PyTorch what Thunder cannot trace (a mixture of experts' routing), and there is no estimate of the whole step.
 Each line names the gradients that differ from the run without the transform; a second
@@ -28,6 +31,7 @@ from thunder.dynamo import ThunderCompiler
 from benchmarks.options import add_override
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig, estimate_step
 from thunder_fsdp_mem.training import litgpt_models, runtime
+from thunder_fsdp_mem.units import parse_bytes
 
 # The chunked loss changes rounding by design (``docs/accuracy.md`` gives its tolerances): off in every variant.
 EVERYTHING = "everything but the chunked loss"
@@ -86,6 +90,12 @@ def main(argv=None) -> int:
         help="also run with a memory budget of F times the estimated peak with everything (0 < F <= 1)",
     )
     p.add_argument("--least-peak", action="store_true", help="also run with a budget of 1 byte (the least reachable)")
+    p.add_argument(
+        "--saved-budget",
+        type=parse_bytes,
+        metavar="SIZE",
+        help="also run with each forward saving at most SIZE for backward (60MiB; MemoryConfig.saved_budget)",
+    )
     p.add_argument("--thunderfx", action="store_true", help="compile through ThunderFX instead of thunder.jit")
     p.add_argument("--only", nargs="+", metavar="TEXT", help="run only the variants whose names contain one of these")
     args = p.parse_args(argv)
@@ -119,6 +129,14 @@ def main(argv=None) -> int:
     if args.least_peak:
         variants.append(
             ("the least peak reachable (a budget of 1 B)", MemoryConfig(memory_budget=1, chunk_loss=False), None)
+        )
+    if args.saved_budget is not None:
+        variants.append(
+            (
+                f"a saved budget of {args.saved_budget} B, no fusion rematerialization",
+                MemoryConfig(saved_budget=args.saved_budget, fusion_rematerialize=False, chunk_loss=False),
+                None,
+            )
         )
     for name, config, budget in variants:  # the budget's variant is added once the default's peak is known
         with warnings.catch_warnings(record=True) as caught:

@@ -1,9 +1,9 @@
 """Where a training step's time goes, per mode: the forward (with the loss), the backward and the optimizer step
 timed apart, and the GPU's kernels grouped by kind (matmuls, attention, fused Triton kernels, other ATen kernels,
 the optimizer's, copies) and by phase from ``torch.profiler``, with the time the GPU sat idle (the profiled steps
-drain the device after each phase, as the timed ones do). One process per mode, as in ``compare.py``;
-``--trace-dir`` keeps each mode's profile as a Chrome trace. Modes take ``compare.py``'s options
-(``thunder+mem@ex=fused@budget=13GiB``, ``inductor@amb=0.5``).
+drain the device after each phase, as the timed ones do). One process per mode, as in ``compare.py``, under a
+one-rank ``torchrun`` for the FSDP2 modes; ``--trace-dir`` keeps each mode's profile as a Chrome trace. Modes take
+``compare.py``'s options (``thunder+mem@ex=fused@budget=13GiB``, ``inductor@amb=0.5``, ``@loss=trace``).
 
     python -m benchmarks.performance.profile_step --n-layers 12 --block-size 8192 \
         --modes thunder@ex=fused,inductor --json profile.json
@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+
+from benchmarks.launch import torchrun
+from benchmarks.variants import split_variant
 
 KINDS = (  # (kind, substrings of the kernel's name), first match wins
     ("attention", ("flash", "fmha", "attention", "attn")),
@@ -51,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=25, help="kernels listed per mode")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (no GPU kernels)")
+    p.add_argument("--vectorize-window-masks", action="store_true", help="as compare.py's")
     p.add_argument("--json", default=None)
     p.add_argument("--trace-dir", default=None, help="write each mode's profiled steps as a Chrome trace here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -63,10 +67,9 @@ def main(argv=None) -> int:
         return worker(args)
     rows = []
     for mode in args.modes.split(","):
+        program = ["-m", "benchmarks.performance.profile_step"]
         cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.performance.profile_step",
+            *(torchrun(1, *program) if split_variant(mode).base.startswith("fsdp2") else [sys.executable, *program]),
             "--worker",
             mode,
             "--model",
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
         ]
         if args.trace_dir:
             cmd += ["--trace-dir", args.trace_dir]
+        if args.vectorize_window_masks:
+            cmd.append("--vectorize-window-masks")
         done = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("PROFILE ")]
         if done.returncode != 0 or not lines:
@@ -138,9 +143,12 @@ def one_step(trainer, idx, targets, sync, mark=lambda phase: contextlib.nullcont
     sync()
     start = time.perf_counter()
     with mark("forward"):
-        logits = trainer.model(idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        del logits
+        if trainer.loss == "eager":
+            logits = trainer.model(idx)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            del logits
+        else:  # the loss computed by the model (in its trace, or a fused loss after it)
+            loss = trainer.model(idx, targets)
         sync()
     times["forward_ms"] = (time.perf_counter() - start) * 1e3
     with mark("backward"):
@@ -168,14 +176,18 @@ def worker(args) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks.variants import split_variant
     from thunder_fsdp_mem.config import MemoryConfig
     from thunder_fsdp_mem.training import litgpt_models, modes, runtime
 
     variant = split_variant(args.worker)
     rank = runtime.init_distributed(args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(
+        name=args.model,
+        n_layers=args.n_layers,
+        block_size=args.block_size,
+        vectorized_window_masks=args.vectorize_window_masks,
+    )
     trainer = modes.build(
         variant.base,
         spec,
@@ -183,6 +195,7 @@ def worker(args) -> int:
         executors=variant.executors or "default+cat",
         memory=MemoryConfig(**variant.memory),
         activation_memory_budget=variant.amb,
+        loss=variant.loss,
     )
     idx, targets = litgpt_models.batch(spec, device=rank.device)
     for _ in range(args.warmup):

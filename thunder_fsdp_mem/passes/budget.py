@@ -54,7 +54,8 @@ from thunder_fsdp_mem.analysis.step import estimate_traces
 from thunder_fsdp_mem.analysis.symbols import nbytes
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes.driver import Checks, Context, Estimator, Pair, Proposal, Recomputed
-from thunder_fsdp_mem.passes.mincut import SavePlan, plan_saved, priced, recomputed_groups
+from thunder_fsdp_mem.passes.mincut import SavePlan, plan_saved, priced, recomputable, recomputed_groups
+from thunder_fsdp_mem.passes.regions import opened
 from thunder_fsdp_mem.passes.plan_rewrite import apply_plan
 from thunder_fsdp_mem.units import format_bytes
 
@@ -99,11 +100,27 @@ def cheapest_plan(
         over = excess(f.estimate)
         return over, f.seconds if over <= 0 else f.estimate.peak_bytes
 
+    searches = (False, True) if opened(forward.bound_symbols, recomputable) is not None else (False,)
+    return min(
+        (_search(forward, backward, rank, excess, judge, recompute_weight, rates, o) for o in searches), key=rank
+    )
+
+
+def _search(forward, backward, rank, excess, judge, recompute_weight, rates, open_regions: bool) -> Candidate:
+    """``cheapest_plan``'s search, with the forward's mixed fusion regions priced whole or opened
+    (``mincut.plan_saved``'s ``open_regions``)."""
+
     def attempt(price: float | None, only: frozenset[int] | None = None) -> Candidate:
         best = None
         for segments in (False, True) if price is not None else (False,):
             plan = plan_saved(
-                forward, recompute_weight=recompute_weight, price=price, rates=rates, segments=segments, only=only
+                forward,
+                recompute_weight=recompute_weight,
+                price=price,
+                rates=rates,
+                segments=segments,
+                only=only,
+                open_regions=open_regions if price is not None else None,
             )
             if best is not None and plan == best.plan:
                 continue
@@ -151,7 +168,7 @@ def _fewer(best: Candidate, above: Candidate, forward: TraceCtx, attempt: Callab
     fit) keeps and ``best`` recomputes, where fewer fit: the first k of them in forward order (the earliest blocks,
     which the backward reaches last, when it holds least), k bisected. Alike ops (each block's region) flip at one
     price, so the price alone recomputes all of them or none."""
-    dear = [i for i in best.plan.recompute if priced(forward.bound_symbols[i])]
+    dear = [i for i in best.plan.recompute if priced(best.plan.symbols(forward)[i])]
     kept = set(above.plan.recompute)
     flipped = [i for i in dear if i not in kept]
     allowed = frozenset(i for i in dear if i in kept)
@@ -174,9 +191,10 @@ def _without_the_dearest(
     the budget needs beside a cheaper one (a ThunderFX block's MLP region beside its attention region), the plan
     at the price recomputes both, and the dear one alone may be enough. At most ``DROPS`` ops are tried (beyond
     that the ops are alike, each block's, and ``_fewer`` has chosen among them)."""
+    symbols = best.plan.symbols(forward)
     dear = sorted(
-        (i for i in best.plan.recompute if priced(forward.bound_symbols[i])),
-        key=lambda i: -op_seconds(forward.bound_symbols[i], rates),
+        (i for i in best.plan.recompute if priced(symbols[i])),
+        key=lambda i: -op_seconds(symbols[i], rates),
     )
     if len(dear) > DROPS:
         return best

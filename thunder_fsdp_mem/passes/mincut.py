@@ -38,7 +38,9 @@ Fusion regions that run matmuls and cheap ops both are opened (``regions.opened`
 on their subsymbols, recomputes cheap ops only from what the region's kernels hold in memory (its arguments, its
 matmuls' outputs and views of them), saves only what the region returns or stores, never a view of a matmul's
 output, and prices each op at what the new backward region writes of the region's outputs (``regions``' docstring
-says why each rule keeps the bits).
+says why each rule keeps the bits). With a price they are opened where ``open_regions`` says: each matmul inside is
+then priced alone and may be recomputed from its arguments saved as its kernel read them (``Opened.matmul_args``),
+not the region's reductions; without, a region is priced whole.
 
 ``recomputed_groups(forward, plan)`` says what a plan has the backward run again, by op and source line;
 ``recomputable`` and ``priced`` say which symbols the cut may recompute, without and with a price. The plan is
@@ -227,6 +229,11 @@ def priced(bsym) -> bool:
     return sid in PRICED_OPS
 
 
+def _dear_inside(bsym) -> bool:
+    """A matmul inside an opened region that a price may recompute (from its arguments, as they are in memory)."""
+    return sym_id(bsym) in MATMULS and priced(bsym)
+
+
 def plan_saved(
     forward: TraceCtx,
     *,
@@ -235,14 +242,19 @@ def plan_saved(
     rates: DeviceRates = H200,
     segments: bool = False,
     only: frozenset[int] | None = None,
+    open_regions: bool | None = None,
 ) -> SavePlan:
     """The minimum-cut choice of saved tensors for ``forward`` (see the module's docstring): it minimises saved
     bytes plus ``recompute_weight`` times the bytes the recomputation reads and writes, and, with a ``price``,
     plus ``price`` times the seconds the expensive ops run again take on a device of ``rates``. ``segments``: no
     expensive op is recomputed from another (see the module's docstring); ``only``: the indices of the expensive
-    ops the price may recompute (None: all)."""
+    ops the price may recompute (None: all); ``open_regions``: cut through the forward's mixed fusion regions
+    (``regions.opened``), each matmul inside them priced alone, rather than price each region whole (None: open
+    them only without a price)."""
     saved = saved_tensors(forward)
-    regions = opened(forward.bound_symbols, recomputable) if price is None else None
+    if open_regions is None:
+        open_regions = price is None
+    regions = opened(forward.bound_symbols, recomputable) if open_regions else None
     bsyms = regions.symbols if regions is not None else forward.bound_symbols
     inside = regions.inside if regions is not None else (lambda i: False)
     producer: dict[str, int] = {}
@@ -265,6 +277,8 @@ def plan_saved(
             written.update(a.name for a in bsym.flat_proxy_args)
         if inside(i):
             can[i] = recomputable(bsym) and not accumulates(bsym)  # a new kernel may add in another order
+            if not can[i] and price is not None and _dear_inside(bsym) and (only is None or i in only):
+                can[i] = dear[i] = True
             for o in bsym.flat_proxy_outs:
                 producer.setdefault(o.name, i)
             continue
@@ -288,9 +302,11 @@ def plan_saved(
     computed = set()  # made inside an opened region, not in memory as the region's ops used it: never recompute from
     if regions is not None:
         computed = {n for n, i in producer.items() if inside(i) and n not in regions.stored}
+    matmul_args = regions.matmul_args if regions is not None else frozenset()
     for name, t in tensors.items():
         free = name in inputs
-        if (name in computed and name not in regions.returned) or (regions is not None and name in regions.views):
+        savable = (name in regions.returned or name in matmul_args) if regions is not None else True
+        if (name in computed and not savable) or (regions is not None and name in regions.views):
             graph.add_edge((name, "in"), (name, "out"))  # unbounded: stored anew by the region, or a view
         else:
             # Doubled sizes, less one for what is saved today: ties keep today's choice.
@@ -313,8 +329,10 @@ def plan_saved(
         if cost:
             graph.add_edge(_SOURCE, ("op", i), capacity=cost)
         for a in bsym.flat_proxy_args:
-            # A value an opened region computed is recomputed with the op that reads it, never read saved.
-            graph.add_edge((a.name, "in" if inside(i) and a.name in computed else "out"), ("op", i))
+            # A value an opened region computed is recomputed with the op that reads it, never read saved; but a
+            # matmul reads its arguments from memory, as they would be saved.
+            unrounded = inside(i) and a.name in computed and not (dear[i] and a.name in matmul_args)
+            graph.add_edge((a.name, "in" if unrounded else "out"), ("op", i))
         for name in fresh.get(i, ()):  # a copy's destination runs again with it: never written once saved
             graph.add_edge((name, "in"), ("op", i))
         for o in bsym.flat_proxy_outs:
@@ -339,6 +357,7 @@ def plan_saved(
     if regions is not None:  # the opened regions' recomputed ops run as one kernel per region
         fused = regions_traffic(regions, sorted(recompute), required)
         traffic, seconds = traffic + fused, seconds + fused / rates.bandwidth
+        seconds += sum(op_seconds(bsyms[i], rates) for i in recompute if inside(i) and dear[i])
     return SavePlan(
         saved=tuple(kept),
         recompute=tuple(sorted(recompute)),

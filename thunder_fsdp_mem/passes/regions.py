@@ -11,7 +11,9 @@ recomputed only at a price (a memory budget), and Thunder's rematerialization mo
 another that reads them (``passes.fusions``). So the region saves, beside a matmul's output, the cheap ops computed
 from it: an MLP's GELU of its first matmul's output, for the second matmul's weight gradient, or the rotary
 embedding of the query and key, which a non-fusion attention backward reads. Opened, the cut saves the matmul's
-output and the backward recomputes the rest in a region of its own, just before its first use.
+output and the backward recomputes the rest in a region of its own, just before its first use. At a price (a memory
+budget), a matmul inside an opened region may be recomputed too, from its arguments saved (``Opened.matmul_args``):
+an MLP's first matmul from its saved input, which its weight's gradient reads anyway, rather than its whole region.
 
 Bits. A fusion compiler computes a region's ops without rounding what it does not store (Inductor computes
 bfloat16 pointwise ops in float32 and rounds at the store), so a value the region stores is not in general the
@@ -56,7 +58,11 @@ class Opened:
         the backward may recompute from them.
     views: those of ``stored`` that are views: never saved (a saved view holds its whole base), but viewed again
         in backward from their base, for nothing.
-    returned: names the opened regions return (they may be saved; nothing else a region computes may be).
+    returned: names the opened regions return (they may be saved; nothing else a region computes may be, but
+        ``matmul_args``).
+    matmul_args: names computed inside opened regions that their matmuls read: in memory as the matmul read them
+        (it runs as a kernel of its own), so that a matmul recomputed at a price may read them saved; the region's
+        other ops read them unrounded, and never saved.
     """
 
     symbols: tuple
@@ -64,6 +70,7 @@ class Opened:
     stored: frozenset[str]
     views: frozenset[str]
     returned: frozenset[str]
+    matmul_args: frozenset[str] = frozenset()
 
     def inside(self, i: int) -> bool:
         return self.region[i] is not None
@@ -78,7 +85,7 @@ def opened(forward_symbols: Sequence, cheap: Callable[[object], bool]) -> Opened
         return cheap(bsym) and not accumulates(bsym)
 
     symbols, region = [], []
-    stored, views, returned = set(), set(), set()
+    stored, views, returned, matmul_args = set(), set(), set(), set()
     for i, bsym in enumerate(forward_symbols):
         subs = bsym.subsymbols if is_fusion(bsym) else ()
         mixed = any(sym_id(s) in MATMULS for s in subs) and any(recomputable(s) for s in subs)
@@ -90,11 +97,22 @@ def opened(forward_symbols: Sequence, cheap: Callable[[object], bool]) -> Opened
         stored.update(in_memory)
         views.update(viewed)
         returned.update(p.name for p in bsym.flat_proxy_outs)
+        made = {o.name for s in subs for o in s.flat_proxy_outs}
+        matmul_args.update(
+            a.name for s in subs if sym_id(s) in MATMULS for a in s.flat_proxy_args if a.name in made
+        )
         symbols.extend(subs)
         region.extend([i] * len(subs))
     if len(symbols) == len(forward_symbols):
         return None
-    return Opened(tuple(symbols), tuple(region), frozenset(stored), frozenset(views), frozenset(returned))
+    return Opened(
+        tuple(symbols),
+        tuple(region),
+        frozenset(stored),
+        frozenset(views),
+        frozenset(returned),
+        frozenset(matmul_args - stored),
+    )
 
 
 def _stored(region) -> tuple[set[str], set[str]]:
