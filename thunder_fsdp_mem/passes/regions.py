@@ -98,9 +98,7 @@ def opened(forward_symbols: Sequence, cheap: Callable[[object], bool]) -> Opened
         views.update(viewed)
         returned.update(p.name for p in bsym.flat_proxy_outs)
         made = {o.name for s in subs for o in s.flat_proxy_outs}
-        matmul_args.update(
-            a.name for s in subs if sym_id(s) in MATMULS for a in s.flat_proxy_args if a.name in made
-        )
+        matmul_args.update(a.name for s in subs if sym_id(s) in MATMULS for a in s.flat_proxy_args if a.name in made)
         symbols.extend(subs)
         region.extend([i] * len(subs))
     if len(symbols) == len(forward_symbols):
