@@ -417,10 +417,11 @@ def test_the_help_examples_are_valid_command_lines():
     from thunder_fsdp_mem.cli.validate import validate
 
     lines = [line.strip() for text in (REPORT_EXAMPLES, FIT_EXAMPLES) for line in text.splitlines()[1:]]
-    assert len(lines) == 6
+    assert len(lines) == 7
     for line in lines:
         args = build_parser().parse_args(shlex.split(line)[1:])
         validate(args)
+    assert args.vectorize_window_masks is False and "--vectorize-window-masks" in REPORT_EXAMPLES
 
 
 def test_a_block_size_beyond_the_models_is_predicted_and_said_in_one_line(capsys):

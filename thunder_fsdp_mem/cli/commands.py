@@ -47,7 +47,12 @@ def run_report(args) -> int:
     from thunder_fsdp_mem.report.contents import build_report
     from thunder_fsdp_mem.training import litgpt_models
 
-    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(
+        name=args.model,
+        n_layers=args.n_layers,
+        block_size=args.block_size,
+        vectorized_window_masks=args.vectorize_window_masks,
+    )
     n_layers = spec.config().n_layer
     cap = args.memory_cap if args.memory_budget is not None else None
     plans = [None]
@@ -110,7 +115,12 @@ def run_fit(args) -> int:
     from thunder_fsdp_mem.report.fit_table import fit_json, render_fit
     from thunder_fsdp_mem.training import litgpt_models
 
-    spec = litgpt_models.ModelSpec(name=args.model, n_layers=args.n_layers, block_size=args.block_size)
+    spec = litgpt_models.ModelSpec(
+        name=args.model,
+        n_layers=args.n_layers,
+        block_size=args.block_size,
+        vectorized_window_masks=args.vectorize_window_masks,
+    )
     n_layers = spec.config().n_layer
     longest = longest_for(name_to_config[args.model].get("block_size"), args.block_size)
     fits = []

@@ -26,6 +26,7 @@ REPORT_EXAMPLES = """examples:
   thunder-fsdp-mem report --model stablecode-completion-alpha-3b --n-layers 12 --block-size 8192 --transform
   thunder-fsdp-mem report --mode jit --executors fused --loss trace --transform
   thunder-fsdp-mem report --model Llama-3.2-1B --memory-budget 40GiB --memory-cap 80GB --json report.json
+  thunder-fsdp-mem report --model Gemma-2-2b --mode jit --loss trace --vectorize-window-masks --transform
 """
 FIT_EXAMPLES = """examples:
   thunder-fsdp-mem fit 80GB --model Llama-3.2-1B
@@ -137,6 +138,12 @@ def _add_step_options(parser: argparse.ArgumentParser, *, report: bool) -> None:
         help="where the step computes its cross-entropy: eager, after the compiled model (as Thunder's benchmarks "
         "do), or trace, compiled with it (thunder_fsdp_mem.LossModel; under fsdp2 the root), where the transform "
         "chunks it (default eager)",
+    )
+    parser.add_argument(
+        "--vectorize-window-masks",
+        action="store_true",
+        help="build sliding-window masks by one comparison (thunder_fsdp_mem.vectorize_window_masks: litgpt's "
+        "masks bit for bit, without its loop of T row writes, which Thunder traces slowly at long T)",
     )
     parser.add_argument(
         "--fusion-rematerialize",
