@@ -88,12 +88,17 @@ def test_it_never_holds_the_logits():
     assert memtracker_peak(loss, tracked=(hidden, weight)) < logits_bytes / 2
 
 
-def test_the_default_chunk_count_keeps_a_chunk_of_logits_at_most_the_hidden_states():
-    # stablecode-3b at 8192 tokens: vocabulary 50304 over 2560 -> at least 20 chunks: 32 (256 rows each).
-    assert default_chunks(8192, 50304, 2560) == 32
-    # Llama-3.2-1B: 128256 over 2048 -> 63 wanted; 32 chunks keep 256 rows, the fewest a chunk keeps.
-    assert default_chunks(8192, 128256, 2048) == 32
+def test_the_default_chunk_count_keeps_a_chunk_of_logits_at_most_the_heads_weight_or_the_hidden_states():
+    # stablecode-3b at 8192 tokens: a chunk of at most 2560 rows (the weight's 50304 x 2560) -> 4 of 2048.
+    assert default_chunks(8192, 50304, 2560) == 4
+    # Llama-3.2-1B: at most 2048 rows -> 4 chunks; gemma-2-2b (256000 x 2304): at most 2304 -> 4 of 2048.
+    assert default_chunks(8192, 128256, 2048) == 4
+    assert default_chunks(8192, 256000, 2304) == 4
+    # Qwen2.5-0.5B (151936 x 896): at most 896 rows -> 16 of 512; a vocabulary no larger than the tokens: one chunk.
+    assert default_chunks(8192, 151936, 896) == 16
     assert default_chunks(8192, 4096, 4096) == 1
+    # A small head: no chunk under 256 rows (candidate_chunks), however large the vocabulary.
+    assert default_chunks(8192, 50304, 64) == 32
 
 
 @pytest.mark.parametrize(
