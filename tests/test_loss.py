@@ -276,6 +276,29 @@ def test_the_workspace_counted_is_what_the_allocator_sees(dtype, softcap):
     assert counted <= measured <= counted * 1.01, (measured, counted)
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_the_compiled_chunk_writes_its_gradient_over_its_logits(softcap):
+    # What CUDA runs (``_chunk_grad_in_place`` under torch.compile), compiled here by Inductor for CPU: the loss and
+    # the gradient of the eager CPU path, and no buffer of the chunk's size beside the logits it overwrites.
+    rows, hidden, vocab = 256, 64, 4096
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, hidden, generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, generator=g) / 8).bfloat16()
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    t[:7] = -100
+    scale = torch.tensor(1 / (rows - 7))
+    eager_loss, eager_grad = operator._chunk_math(h, w, None, t, -100, softcap, scale)
+    z = h @ w.t()
+    picked = z.gather(1, t.clamp(min=0).unsqueeze(1)).squeeze(1)
+    compiled = operator._compiled_grad_in_place()
+    compiled(z.clone(), picked, t, -100, softcap, scale)  # compiled outside the measurement
+    with CPUMemory(z, picked, t, scale) as memory:
+        loss = compiled(z, picked, t, -100, softcap, scale)
+    assert memory.peak_bytes - memory.baseline_bytes < rows * vocab // 64
+    assert abs(loss.item() - eager_loss.item()) <= 1e-6 * abs(eager_loss.item())
+    assert (z.float() - eager_grad.float()).abs().max() <= 2**-8 * eager_grad.float().abs().max()
+
+
 def test_row_chunks_and_candidates():
     assert chunked_loss.row_chunks(10, 3) == [(0, 4), (4, 8), (8, 10)]
     assert chunked_loss.row_chunks(2, 5) == [(0, 1), (1, 2)]

@@ -88,17 +88,13 @@ def test_it_never_holds_the_logits():
     assert memtracker_peak(loss, tracked=(hidden, weight)) < logits_bytes / 2
 
 
-def test_the_default_chunk_count_keeps_a_chunk_of_logits_at_most_the_heads_weight_or_the_hidden_states():
-    # stablecode-3b at 8192 tokens: a chunk of at most 2560 rows (the weight's 50304 x 2560) -> 4 of 2048.
-    assert default_chunks(8192, 50304, 2560) == 4
-    # Llama-3.2-1B: at most 2048 rows -> 4 chunks; gemma-2-2b (256000 x 2304): at most 2304 -> 4 of 2048.
-    assert default_chunks(8192, 128256, 2048) == 4
-    assert default_chunks(8192, 256000, 2304) == 4
-    # Qwen2.5-0.5B (151936 x 896): at most 896 rows -> 16 of 512; a vocabulary no larger than the tokens: one chunk.
-    assert default_chunks(8192, 151936, 896) == 16
-    assert default_chunks(8192, 4096, 4096) == 1
-    # A small head: no chunk under 256 rows (candidate_chunks), however large the vocabulary.
-    assert default_chunks(8192, 50304, 64) == 32
+def test_the_default_chunk_count_keeps_chunks_of_512_rows():
+    # 8192 rows (Llama-3.2-1B or gemma-2-2b at 8192 tokens): 16 chunks of 512; 8191 rows: 16 of at most 512.
+    assert default_chunks(8192) == 16 and default_chunks(8191) == 16
+    # 16384 rows: 32 chunks of 512; 1000 rows: one (two chunks would be of 500).
+    assert default_chunks(16384) == 32 and default_chunks(1000) == 1 and default_chunks(1024) == 2
+    # Never more than candidate_chunks' 64, never fewer than one.
+    assert default_chunks(1 << 20) == 64 and default_chunks(3) == 1
 
 
 @pytest.mark.parametrize(

@@ -157,3 +157,13 @@ def test_litgpts_patched_window_mask_gives_litgpts_logits_bit_for_bit():
     fixed.load_state_dict(stock.state_dict())
     idx, _ = _batch()
     assert torch.equal(fixed(idx), stock(idx))
+
+
+# --- docs/upstream/reproduce_inductor_gather.py -----------------------------------------------------------------
+
+
+def test_inductor_reads_a_mutated_input_after_its_write_unless_the_gather_comes_first():
+    eager, compiled, fixed = _beside("reproduce_inductor_gather").run()
+    assert fixed == pytest.approx(eager, rel=1e-6)
+    if torch.__version__.startswith("2.11."):  # the version the report is made against
+        assert abs(compiled - eager) > 0.1

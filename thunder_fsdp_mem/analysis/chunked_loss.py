@@ -3,8 +3,8 @@ and the memory one chunk needs while the op runs (its workspace). ``thunder_fsdp
 module is the arithmetic both it and the estimator share, so that what is predicted is what runs.
 
 One chunk of ``rows`` rows (of ``vocab`` columns) holds, at its most:
-- on CUDA, where the elementwise work of a chunk runs as one compiled kernel pair (``torch.compile``): the chunk's
-  logits in the weight's dtype and the gradient of those logits in the same dtype;
+- on CUDA, where the chunk's logits go into one buffer in the weight's dtype and a compiled kernel pair
+  (``torch.compile``) writes their gradient over them: that buffer;
 - on CPU (eager torch, in place where it can): the logits in the weight's dtype and their float32 copy (one buffer
   when the weight is float32); with soft-capping, the float32 values and the cap's derivative; last, the float32
   values and the gradient rounded to the weight's dtype.
@@ -50,6 +50,6 @@ def workspace_bytes(rows: int, vocab: int, chunks: int, *, weight_bytes: int, so
     """Bytes a chunk holds beyond the op's outputs while it runs (the module docstring says what)."""
     cells = chunk_rows(rows, chunks) * vocab
     if device_type == "cuda":
-        return 2 * cells * weight_bytes
+        return cells * weight_bytes
     copy = 0 if weight_bytes == 4 else weight_bytes  # a float32 weight's logits are their own float32 copy
     return cells * max(copy + 4, 4 + (4 if softcap else 0), 4 + copy)

@@ -11,8 +11,9 @@ the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives).
   symbol with a grad rule, what ``rewrite`` puts in the trace); run without autograd it computes the loss alone.
 - ``linear_cross_entropy_with_grads(...)``: the loss and the gradients (what the forward runs under autograd).
 
-On CUDA a chunk's work runs through ``torch.compile`` (the matmul, then one reduction and one pointwise kernel
-that read the logits and write their gradient); on CPU through eager torch ops, in place where they can be. The
+On CUDA the chunk's logits go into one buffer that every chunk reuses (the matmul's ``out``), and a
+``torch.compile``d function (one reduction and one pointwise kernel) reads them and writes their gradient over
+them; on CPU a chunk runs as eager torch ops, in place where they can be. The
 gradient of the weight is accumulated over chunks in the weight's dtype (one rounding per chunk, as Liger's fused
 loss does); ``docs/accuracy.md`` gives the tolerances against eager PyTorch.
 """
@@ -27,7 +28,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, row_chunks
+from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, chunk_rows, row_chunks
 
 loss_ex = OperatorExecutor(EXECUTOR, version="0.1")
 register_executor(loss_ex)
@@ -73,29 +74,42 @@ def _chunk_math(rows, weight, bias, targets, ignore_index: int, softcap, scale):
     return loss_sum, z.to(weight.dtype)
 
 
-def _chunk_math_fused(rows, weight, bias, targets, ignore_index: int, softcap, scale):
-    """``_chunk_math`` written for ``torch.compile``: no op in place and the one-hot as a comparison with an iota,
-    so that Inductor reads the chunk's logits in one reduction kernel and one pointwise kernel that writes their
-    gradient, with no float32 buffer of the chunk's size between them."""
-    z = (torch.addmm(bias, rows, weight.t()) if bias is not None else rows @ weight.t()).float()
+def _chunk_grad_in_place(z, picked, targets, ignore_index: int, softcap, scale):
+    """For one chunk's logits ``z`` (its matmul's output, in the weight's dtype) and each row's logit at its target
+    (``picked``, gathered before): the loss summed over the rows that count (float32), with the gradient of the
+    mean (or summed) loss with respect to those logits written over ``z``. Written for ``torch.compile``: no op in
+    place but the last copy and the one-hot as a comparison with an iota, so that Inductor reads the logits in one
+    reduction kernel and writes their gradient over them from one pointwise kernel. The chunk then holds its logits
+    and nothing of their size besides (as Liger's kernel does). ``picked`` comes in because Inductor may fuse a
+    gather from ``z`` after the write over ``z`` (it does on CPU), reading the gradient instead of the logit."""
+    x = z.float()
+    target_logit = picked.float()
     if softcap is not None:
-        capped = torch.tanh(z / softcap)
-        z = capped * softcap
+        capped = torch.tanh(x / softcap)
+        x = capped * softcap
+        target_logit = torch.tanh(target_logit / softcap) * softcap
     valid = targets != ignore_index
     safe = torch.where(valid, targets, 0)
-    lse = torch.logsumexp(z, dim=-1)
-    picked = z.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    loss_sum = torch.where(valid, lse - picked, 0.0).sum()
-    one_hot = torch.arange(z.shape[-1], device=z.device) == safe.unsqueeze(-1)
-    grad = (torch.exp(z - lse.unsqueeze(-1)) - one_hot.to(z.dtype)) * (valid.to(z.dtype) * scale).unsqueeze(-1)
+    lse = torch.logsumexp(x, dim=-1)
+    loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
+    one_hot = torch.arange(x.shape[-1], device=x.device) == safe.unsqueeze(-1)
+    grad = (torch.exp(x - lse.unsqueeze(-1)) - one_hot.to(x.dtype)) * (valid.to(x.dtype) * scale).unsqueeze(-1)
     if softcap is not None:
         grad = grad * (1.0 - capped * capped)
-    return loss_sum, grad.to(weight.dtype)
+    z.copy_(grad)
+    return loss_sum
 
 
 @functools.cache
-def _compiled_chunk_math():
-    return torch.compile(_chunk_math_fused, dynamic=False, fullgraph=True)
+def _compiled_grad_in_place():
+    return torch.compile(_chunk_grad_in_place, dynamic=False, fullgraph=True)
+
+
+def _logits(rows, weight, bias, out):
+    """The chunk's logits, written into ``out`` (one buffer that every chunk reuses)."""
+    if bias is not None:
+        return torch.addmm(bias, rows, weight.t(), out=out)
+    return torch.mm(rows, weight.t(), out=out)
 
 
 def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads=False):
@@ -110,10 +124,18 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
     grad_w = torch.zeros_like(weight) if grads else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads and bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    # On CUDA one buffer of a chunk's logits, which each chunk's gradient then overwrites (``_chunk_grad_in_place``).
+    size = chunk_rows(h.shape[0], chunks)
+    logits = torch.empty(size, weight.shape[0], dtype=h.dtype, device=h.device) if h.is_cuda and size else None
+    safe = t.masked_fill(t == ignore_index, 0) if logits is not None else None  # the targets to gather
     for start, stop in row_chunks(h.shape[0], chunks):
         rows = h[start:stop]
-        chunk_math = _compiled_chunk_math() if rows.is_cuda else _chunk_math
-        loss_sum, grad = chunk_math(rows, weight, bias, t[start:stop], ignore_index, softcap, scale)
+        if logits is not None:
+            grad = _logits(rows, weight, bias, logits[: stop - start])
+            picked = grad.gather(1, safe[start:stop].unsqueeze(1)).squeeze(1)
+            loss_sum = _compiled_grad_in_place()(grad, picked, t[start:stop], ignore_index, softcap, scale)
+        else:
+            loss_sum, grad = _chunk_math(rows, weight, bias, t[start:stop], ignore_index, softcap, scale)
         total += loss_sum
         if grads:
             torch.mm(grad, weight, out=grad_h[start:stop])
@@ -121,6 +143,7 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
             if grad_b is not None:
                 grad_b += grad.sum(dim=0, dtype=torch.float32)
         del grad
+    del logits
     if reduction == "mean":
         total = torch.where(counted > 0, total * scale, torch.nan)
     loss = total.to(loss_dtype)
