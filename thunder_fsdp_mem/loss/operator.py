@@ -121,14 +121,17 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
     # The mean over no counted token is nan, as torch's is; a scale of 0 then keeps the gradients finite.
     scale = (1.0 / counted.clamp(min=1).to(torch.float32)) if reduction == "mean" else torch.ones((), device=h.device)
     grad_h = torch.empty_like(h) if grads else None
-    grad_w = torch.zeros_like(weight) if grads else None
+    grad_w = torch.empty_like(weight) if grads else None  # the first chunk writes it, the others add to it
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads and bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     # On CUDA one buffer of a chunk's logits, which each chunk's gradient then overwrites (``_chunk_grad_in_place``).
     size = chunk_rows(h.shape[0], chunks)
     logits = torch.empty(size, weight.shape[0], dtype=h.dtype, device=h.device) if h.is_cuda and size else None
     safe = t.masked_fill(t == ignore_index, 0) if logits is not None else None  # the targets to gather
-    for start, stop in row_chunks(h.shape[0], chunks):
+    spans = row_chunks(h.shape[0], chunks)
+    if grads and not spans:
+        grad_w.zero_()
+    for start, stop in spans:
         rows = h[start:stop]
         if logits is not None:
             grad = _logits(rows, weight, bias, logits[: stop - start])
@@ -139,7 +142,10 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
         total += loss_sum
         if grads:
             torch.mm(grad, weight, out=grad_h[start:stop])
-            grad_w.addmm_(grad.t(), rows)
+            if start == 0:
+                torch.mm(grad.t(), rows, out=grad_w)
+            else:
+                grad_w.addmm_(grad.t(), rows)
             if grad_b is not None:
                 grad_b += grad.sum(dim=0, dtype=torch.float32)
         del grad
