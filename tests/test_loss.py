@@ -299,6 +299,23 @@ def test_the_compiled_chunk_writes_its_gradient_over_its_logits(softcap):
     assert (z.float() - eager_grad.float()).abs().max() <= 2**-8 * eager_grad.float().abs().max()
 
 
+def test_the_compiled_chunks_give_the_eager_chunks_loss_and_gradients():
+    # run_chunks as CUDA runs it (one logits buffer, the compiled kernel), here on CPU: uneven chunks (the last one
+    # shorter), a bias, a soft-cap, ignored tokens; against the eager CPU path.
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(333, 64, generator=g).bfloat16()
+    w = (torch.randn(2048, 64, generator=g) / 8).bfloat16()
+    b = (torch.randn(2048, generator=g) / 8).bfloat16()
+    t = torch.randint(0, 2048, (333,), generator=g)
+    t[5:40] = -100
+    args = (h, w, b, t, -100, 30.0, "mean", 3, torch.float32)
+    eager = operator.run_chunks(*args, grads=True, compiled=False)
+    compiled = operator.run_chunks(*args, grads=True, compiled=True)
+    assert abs(compiled[0].item() - eager[0].item()) <= 1e-6 * abs(eager[0].item())
+    for got, want in zip(compiled[1:], eager[1:]):
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+
+
 def test_row_chunks_and_candidates():
     assert chunked_loss.row_chunks(10, 3) == [(0, 4), (4, 8), (8, 10)]
     assert chunked_loss.row_chunks(2, 5) == [(0, 1), (1, 2)]

@@ -13,9 +13,9 @@ the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives).
 
 On CUDA the chunk's logits go into one buffer that every chunk reuses (the matmul's ``out``), and a
 ``torch.compile``d function (one reduction and one pointwise kernel) reads them and writes their gradient over
-them; on CPU a chunk runs as eager torch ops, in place where they can be. The
-gradient of the weight is accumulated over chunks in the weight's dtype (one rounding per chunk, as Liger's fused
-loss does); ``docs/accuracy.md`` gives the tolerances against eager PyTorch.
+them; on CPU a chunk runs as eager torch ops, in place where they can be. The gradient of the weight is accumulated
+over chunks in the weight's dtype (one rounding per chunk, as Liger's fused loss does); ``docs/accuracy.md`` gives
+the tolerances against eager PyTorch.
 """
 
 from __future__ import annotations
@@ -105,16 +105,12 @@ def _compiled_grad_in_place():
     return torch.compile(_chunk_grad_in_place, dynamic=False, fullgraph=True)
 
 
-def _logits(rows, weight, bias, out):
-    """The chunk's logits, written into ``out`` (one buffer that every chunk reuses)."""
-    if bias is not None:
-        return torch.addmm(bias, rows, weight.t(), out=out)
-    return torch.mm(rows, weight.t(), out=out)
-
-
-def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads=False):
+def run_chunks(
+    hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype, *, grads=False, compiled=None
+):
     """The loss (``grads`` False), or the loss and the gradients of ``hidden``, ``weight`` and ``bias`` (with respect
-    to the loss, as a tuple), chunk by chunk: what both the Thunder operator and the plain function run."""
+    to the loss, as a tuple), chunk by chunk: what both the Thunder operator and the plain function run.
+    ``compiled``: each chunk through one logits buffer and ``_chunk_grad_in_place`` (None: on CUDA), else eager."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     counted = (t != ignore_index).sum()
@@ -126,7 +122,8 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     # On CUDA one buffer of a chunk's logits, which each chunk's gradient then overwrites (``_chunk_grad_in_place``).
     size = chunk_rows(h.shape[0], chunks)
-    logits = torch.empty(size, weight.shape[0], dtype=h.dtype, device=h.device) if h.is_cuda and size else None
+    compiled = h.is_cuda if compiled is None else compiled
+    logits = torch.empty(size, weight.shape[0], dtype=h.dtype, device=h.device) if compiled and size else None
     safe = t.masked_fill(t == ignore_index, 0) if logits is not None else None  # the targets to gather
     spans = row_chunks(h.shape[0], chunks)
     if grads and not spans:
@@ -134,7 +131,11 @@ def run_chunks(hidden, weight, bias, targets, ignore_index, softcap, reduction, 
     for start, stop in spans:
         rows = h[start:stop]
         if logits is not None:
-            grad = _logits(rows, weight, bias, logits[: stop - start])
+            grad = logits[: stop - start]
+            if bias is not None:
+                torch.addmm(bias, rows, weight.t(), out=grad)
+            else:
+                torch.mm(rows, weight.t(), out=grad)
             picked = grad.gather(1, safe[start:stop].unsqueeze(1)).squeeze(1)
             loss_sum = _compiled_grad_in_place()(grad, picked, t[start:stop], ignore_index, softcap, scale)
         else:
