@@ -28,7 +28,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, chunk_rows, row_chunks
+from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, row_chunks
 
 loss_ex = OperatorExecutor(EXECUTOR, version="0.1")
 register_executor(loss_ex)
@@ -121,11 +121,10 @@ def run_chunks(
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if grads and bias is not None else None
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     # On CUDA one buffer of a chunk's logits, which each chunk's gradient then overwrites (``_chunk_grad_in_place``).
-    size = chunk_rows(h.shape[0], chunks)
+    spans = row_chunks(h.shape[0], chunks)  # the first chunk is the largest
     compiled = h.is_cuda if compiled is None else compiled
-    logits = torch.empty(size, weight.shape[0], dtype=h.dtype, device=h.device) if compiled and size else None
+    logits = torch.empty(spans[0][1], weight.shape[0], dtype=h.dtype, device=h.device) if compiled and spans else None
     safe = t.masked_fill(t == ignore_index, 0) if logits is not None else None  # the targets to gather
-    spans = row_chunks(h.shape[0], chunks)
     if grads and not spans:
         grad_w.zero_()
     for start, stop in spans:
@@ -150,7 +149,6 @@ def run_chunks(
             if grad_b is not None:
                 grad_b += grad.sum(dim=0, dtype=torch.float32)
         del grad
-    del logits
     if reduction == "mean":
         total = torch.where(counted > 0, total * scale, torch.nan)
     loss = total.to(loss_dtype)
