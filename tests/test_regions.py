@@ -104,6 +104,25 @@ def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs)
     assert {"erf", "cat"} <= ops, ops  # the GELU, the rotary embedding's concatenation
 
 
+def test_the_recomputed_gelu_runs_inside_the_region_that_reads_it(runs):
+    # Its own region would open each block's backward (memory-bound, while FSDP2 copies gradients out); folded into
+    # the region whose matmul reads it, it runs after that region's first matmul. The bits are checked above.
+    backward = runs["default"][3]
+    regions = [b for b in backward.bound_symbols if is_fusion(b)]
+    ops = [[s.sym.name for s in b.subsymbols] for b in regions]
+    (names,) = [names for names in ops if "erf" in names and "exp" not in names]  # the GELU, not its derivative
+    assert names.index("matmul") < names.index("erf"), names
+    for b in regions:  # every elementwise region left feeds something that is not a region (attention's backward)
+        if not _matmuls(b):
+            outs = {o.name for o in b.flat_proxy_outs}
+            readers = [r for r in backward.bound_symbols if any(a.name in outs for a in r.flat_proxy_args)]
+            assert any(not is_fusion(r) and r.sym.name not in ("del", "return") for r in readers), b.sym.name
+
+
+def _matmuls(region) -> list:
+    return [s for s in region.subsymbols if s.sym.name == "matmul"]
+
+
 def test_a_budget_recomputes_a_matmul_inside_its_region_bit_for_bit(runs):
     T, mlp = 64, 512
     assert _equal(runs["plain"], runs["budget, opened"])

@@ -28,6 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--external", nargs="*", default=["liger", "cce"], help="fused losses beside ours")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, help="list each row's N longest kernels (torch.profiler)")
     p.add_argument("--json", default=None)
     return p
 
@@ -71,12 +72,39 @@ def measure(kind: str, chunks: int, args, config) -> dict:
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append((time.perf_counter() - start) * 1e3)
-    return {
+    row = {
         "loss": kind,
         "chunks": chunks,
         "ms": statistics.median(times),
         "peak_above_inputs_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
     }
+    if args.profile:
+
+        def step():
+            hidden.grad = weight.grad = None
+            fn(hidden, weight, targets).backward()
+
+        row["kernels"] = _kernels(step, args.profile)
+    return row
+
+
+def _kernels(step, top: int, n: int = 3) -> list[tuple[str, float, float]]:
+    """The ``top`` kernels of ``step`` by GPU time: (name, ms a step, launches a step), over ``n`` profiled steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(ev.name, [0.0, 0.0])
+            entry[0] += ev.device_time_total / 1e3 / n
+            entry[1] += 1 / n
+    return sorted(((name, ms, count) for name, (ms, count) in totals.items()), key=lambda t: -t[1])[:top]
 
 
 def main(argv=None) -> int:
@@ -92,6 +120,8 @@ def main(argv=None) -> int:
         results.append(row)
         label = f"chunked, {chunks or 'default'} chunks" if kind == "chunked" else kind
         print(f"{label:<24} {row['ms']:8.2f} ms  peak above inputs {row['peak_above_inputs_mib']:9.1f} MiB", flush=True)
+        for name, ms, count in row.get("kernels", []):
+            print(f"    {ms:8.3f} ms {count:5.1f}x  {name[:120]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "tokens": args.tokens, "rows": results}, f, indent=1)
