@@ -57,3 +57,25 @@ def test_kernels_are_named_by_kind():
     assert profile_step.kind_of("void at::native::reduce_kernel<128, 4>") == "other aten"
     assert profile_step.annotation(SimpleNamespace(name="Optimizer.step#AdamW.step"))
     assert not profile_step.annotation(SimpleNamespace(name="nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT"))
+
+
+def test_kernels_beside_another_streams_are_found_with_the_time_they_share():
+    def kernel(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 90.0, "dur": 30.0, "args": {"stream": 25}}
+    events = [
+        kernel("gelu", 100.0, 40.0, 7),  # 100..140, beside the copy 100..120: 20 us
+        kernel("mm", 0.0, 95.0, 7),  # 0..95, beside the copy 90..95: 5 us
+        kernel("tail", 150.0, 10.0, 7),  # alone
+        copy,  # 90..120: beside mm (5) and gelu (20)
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},  # not on the GPU
+    ]
+    rows = profile_step.contended(events, steps=1)
+    assert [(name, ms, beside) for name, ms, beside in rows] == [
+        ("Memcpy DtoD", 0.03, 0.025),
+        ("gelu", 0.04, 0.02),
+        ("mm", 0.095, 0.005),
+    ]
+    halved = profile_step.contended(events, steps=2)
+    assert halved[0] == ("Memcpy DtoD", 0.015, 0.0125)

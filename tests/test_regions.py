@@ -1,6 +1,7 @@
 """The cut through opened fusion regions (``passes/regions.py``): where one fusion region runs a block's matmuls and
 the cheap ops between them, the forward saves a matmul's output and the backward recomputes the GELU and the rotary
-embedding from it, bit for bit what the forward computed.
+embedding from it, bit for bit what the forward computed; and where that recomputation runs (``passes/fold.py``):
+inside the region that reads it, or with its reader's matmul in the region of the GELU's derivative.
 
 FSDP2's path (a ThunderFX graph per block) with Thunder's torch.compile executor after an attention executor (on CPU
 the upstream reproducer's, torch's CPU flash kernels; on CUDA cuDNN's), so that the block's forward is two regions
@@ -26,20 +27,21 @@ from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.training import litgpt_models, runtime
 
 SPEC = dataclasses.replace(NEOX, n_layers=1)  # C 128, 4 heads of 32, MLP 512, T 64
+LONGER = dataclasses.replace(SPEC, block_size=256)  # where the estimator lets the GELU go with its derivative
 
 
 def _executors():
     return [upstream().cpu_attention, *runtime.executors("fused")]
 
 
-def _block(config: MemoryConfig | None):
+def _block(config: MemoryConfig | None, spec=SPEC):
     torch.manual_seed(0)
     torch._dynamo.reset()
-    gpt = GPT(SPEC.config()).to(torch.bfloat16)
+    gpt = GPT(spec.config()).to(torch.bfloat16)
     transforms = [FSDPMemoryTransform(config)] if config is not None else []
     backend = ThunderCompiler(executors=_executors(), transforms=transforms)
     block = gpt.transformer.h[0]
-    T = SPEC.block_size
+    T = spec.block_size
     x = torch.randn(1, T, gpt.config.n_embd, dtype=torch.bfloat16, requires_grad=True)
     y = torch.compile(block, backend=backend)(x, gpt.cos[:T].unsqueeze(0), gpt.sin[:T].unsqueeze(0))
     y.backward(torch.randn_like(y))
@@ -73,6 +75,8 @@ def runs():
         "fusion remat alone": _block(MemoryConfig(rematerialize=False, strict=True)),
         "default": _block(MemoryConfig(strict=True)),
         "budget, opened": _opened_budget_block(),
+        "fusion remat alone, T 256": _block(MemoryConfig(rematerialize=False, strict=True), LONGER),
+        "default, T 256": _block(MemoryConfig(strict=True), LONGER),
     }
 
 
@@ -83,6 +87,7 @@ def _equal(a, b) -> bool:
 def test_recomputing_inside_regions_keeps_the_bits(runs):
     assert _equal(runs["plain"], runs["no fusion remat"])  # every pass but Thunder's own fusion rematerialization
     assert _equal(runs["fusion remat alone"], runs["default"])  # the cut adds no rounding to Thunder's
+    assert _equal(runs["fusion remat alone, T 256"], runs["default, T 256"])  # nor the GELU carried along
     forward = runs["plain"][2]
     assert sum(is_fusion(b) for b in forward.bound_symbols) == 2  # two regions, attention between them
 
@@ -104,19 +109,31 @@ def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs)
     assert {"erf", "cat"} <= ops, ops  # the GELU, the rotary embedding's concatenation
 
 
-def test_the_recomputed_gelu_runs_inside_the_region_that_reads_it(runs):
-    # Its own region would open each block's backward (memory-bound, while FSDP2 copies gradients out); folded into
-    # the region whose matmul reads it, it runs after that region's first matmul. The bits are checked above.
+def test_the_recomputed_gelu_runs_inside_a_region_that_reads_it(runs):
+    # The GELU of the MLP's first matmul's output, recomputed for the second matmul's weight gradient. At 64 tokens
+    # it is folded into the region of that matmul, after the region's first matmul; at 256 the estimator lets it go,
+    # with that matmul, into the region that computes the GELU's derivative from the same saved output, so that one
+    # region reads it. Neither leaves a region of its own.
     backward = runs["default"][3]
-    regions = [b for b in backward.bound_symbols if is_fusion(b)]
-    ops = [[s.sym.name for s in b.subsymbols] for b in regions]
+    ops = [[s.sym.name for s in b.subsymbols] for b in backward.bound_symbols if is_fusion(b)]
     (names,) = [names for names in ops if "erf" in names and "exp" not in names]  # the GELU, not its derivative
     assert names.index("matmul") < names.index("erf"), names
-    for b in regions:  # every elementwise region left feeds something that is not a region (attention's backward)
-        if not _matmuls(b):
-            outs = {o.name for o in b.flat_proxy_outs}
-            readers = [r for r in backward.bound_symbols if any(a.name in outs for a in r.flat_proxy_args)]
-            assert any(not is_fusion(r) and r.sym.name not in ("del", "return") for r in readers), b.sym.name
+
+    C, T, mlp = 128, LONGER.block_size, 512
+    forward, backward = runs["default, T 256"][2:]
+    saved_by_forward = forward.bound_symbols[-1].args[1][0]
+    (saved,) = [t for t in saved_by_forward if isinstance(t, TensorProxy) and t.shape == (1, T, mlp)]
+    readers = [b for b in backward.bound_symbols if any(a.name == saved.name for a in b.flat_proxy_args)]
+    (region,) = [b for b in readers if b.sym.name not in ("del", "python_del")]
+    assert {"erf", "exp", "matmul"} <= {s.sym.name for s in region.subsymbols}
+    assert (C, mlp) in [tuple(o.shape) for o in region.flat_proxy_outs]  # the second matmul's weight gradient
+    for run in ("default", "default, T 256"):
+        backward = runs[run][3]
+        for b in backward.bound_symbols:  # every region left without a matmul feeds attention's backward
+            if is_fusion(b) and not _matmuls(b):
+                outs = {o.name for o in b.flat_proxy_outs}
+                read = [r for r in backward.bound_symbols if any(a.name in outs for a in r.flat_proxy_args)]
+                assert any(not is_fusion(r) and r.sym.name not in ("del", "return") for r in read), b.sym.name
 
 
 def _matmuls(region) -> list:

@@ -15,6 +15,7 @@ step times to quote are ``compare.py``'s (the unprofiled phase times here are pr
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -127,7 +128,34 @@ def render(row: dict) -> str:
         out.append(f"   {phase} kernels: {sum(kinds.values()):.2f} ms ({parts})")
     for name, ms, count in row["top"]:
         out.append(f"   {ms:8.2f} ms {count:5.0f}x  {name[:140]}")
+    if row.get("contended"):
+        out.append("   kernels beside another stream's (ms a step: their time, and of it beside the other stream):")
+    for name, ms, beside in row.get("contended", []):
+        out.append(f"   {ms:8.2f} ms {beside:6.2f} ms  {name[:130]}")
     return "\n".join(out)
+
+
+def contended(events: list[dict], steps: int) -> list[tuple[str, float, float]]:
+    """From a Chrome trace's ``events``: the kernels (and copies) that ran while another stream's were running (an
+    FSDP2 collective's copies beside the compute stream's kernels, which then share the memory bandwidth), as
+    ``(name, ms a step, of which ms beside another stream)``, most overlapped first; ``steps``: the profiled steps."""
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    starts = [e["ts"] for e in gpu]
+    longest = max((e["dur"] for e in gpu), default=0.0)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in gpu:
+        start, end, stream = e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("stream")
+        beside = 0.0
+        for other in gpu[bisect.bisect_left(starts, start - longest) : bisect.bisect_left(starts, end)]:
+            if other.get("args", {}).get("stream") != stream:
+                beside += max(0.0, min(end, other["ts"] + other["dur"]) - max(start, other["ts"]))
+        totals[e["name"]][0] += e["dur"]
+        totals[e["name"]][1] += min(beside, e["dur"])
+    rows = [(name, us / 1e3 / steps, near / 1e3 / steps) for name, (us, near) in totals.items() if near > 0]
+    return sorted(rows, key=lambda r: -r[2])
 
 
 PHASE_MARK = "profile_step:"
@@ -211,11 +239,13 @@ def worker(args) -> int:
         for _ in range(n):
             one_step(trainer, idx, targets, sync, mark=lambda phase: record_function(PHASE_MARK + phase))
         profiled = (time.perf_counter() - t0) / n
+    shared = []
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
-        prof.export_chrome_trace(
-            os.path.join(args.trace_dir, "".join(c if c.isalnum() else "_" for c in args.worker) + ".json")
-        )
+        path = os.path.join(args.trace_dir, "".join(c if c.isalnum() else "_" for c in args.worker) + ".json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            shared = contended(json.load(f)["traceEvents"], n)[: args.top]
     events = prof.events()
     marks = [
         (ev.time_range.start, ev.time_range.end, ev.name[len(PHASE_MARK) :])
@@ -248,6 +278,7 @@ def worker(args) -> int:
         "by_phase": by_phase,
         "count_by_kind": count_by_kind,
         "top": top,
+        "contended": shared,
         "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
     }
     sys.stdout.write("PROFILE " + json.dumps(row) + "\n")

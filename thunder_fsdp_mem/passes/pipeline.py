@@ -12,6 +12,8 @@ what it rewrites, the function that proposes its rewrite); ``DECLARED`` lists th
    rest recomputed in backward; with a memory budget, matmuls and attention too, as ``budget.cheapest_plan`` chooses;
 4. ``folded casts after rematerialization`` (``fold_casts`` and ``rematerialize``): the brackets of the upcasts
    the backward now recomputes (runs only where rematerialization was applied);
+   ``recomputed regions`` (``fold.PASS``; ``rematerialize``, after it): the backward's regions that recompute
+   elementwise ops run inside the regions that read them;
 5. ``order`` (``reorder.PASS``; ``reorder``): the trace that holds the peak in its lowest-peak order;
 6. ``all-gathers`` (``gathers.PASS``; ``gathers``), under Thunder's fsdp: re-gathering in backward (ZeRO3, or as
    ``regather`` says), then the all-gathers of both traces in a window. Last but one: the memory-only judge of the
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from thunder_fsdp_mem.config import MemoryConfig
-from thunder_fsdp_mem.passes import casts, chunks, fusions, gathers, recompute, reorder, scatters
+from thunder_fsdp_mem.passes import casts, chunks, fold, fusions, gathers, recompute, reorder, scatters
 from thunder_fsdp_mem.passes.declaration import Declaration
 from thunder_fsdp_mem.passes.driver import Pass
 
@@ -38,6 +40,7 @@ DECLARED: tuple[Declaration, ...] = (
     fusions.PASS,
     recompute.PASS,
     casts.PASS.again_after(recompute.PASS),
+    fold.PASS,
     reorder.PASS,
     gathers.PASS,
     scatters.PASS,

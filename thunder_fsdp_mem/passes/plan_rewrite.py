@@ -5,17 +5,17 @@ recomputes the rest.
 saved tensors; the backward unpacks them and recomputes the rest just before their first use, by copies of the
 forward's own bound symbols (the same executor calls on the same values, so the backward computes bit for bit what
 it did before), or, where the cut opened the forward's fusion regions, by new regions of their recomputed ops
-(``regions.closed``); a recomputed symbol that repeats one the backward runs anyway (the same cast of a saved tensor) is
-dropped, and ``del``s and collection clears are placed again as Thunder's ``del_last_used`` places them
-(``edit.dels_at_last_use``). ``received(backward)`` and ``unpacking(bsyms)`` read where a backward unpacks its saved
-tensors. The plan comes from ``mincut.plan_saved`` (rematerialization), or is built by a pass that moves
-collectives (``gathers.regather``) or fusions (``fusions``). Pure: new traces are returned.
+(``regions.closed``; the pass ``fold`` may then run them inside the regions that read them); a recomputed symbol
+that repeats one the backward runs anyway (the same cast of a saved tensor) is dropped, and ``del``s and collection
+clears are placed again as Thunder's ``del_last_used`` places them (``edit.dels_at_last_use``).
+``received(backward)`` and ``unpacking(bsyms)`` read where a backward unpacks its saved tensors. The plan comes from
+``mincut.plan_saved`` (rematerialization), or is built by a pass that moves collectives (``gathers.regather``) or
+fusions (``fusions``). Pure: new traces are returned.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import Proxy, variableify
@@ -34,7 +34,6 @@ from thunder_fsdp_mem.analysis.symbols import (
 from thunder_fsdp_mem.passes.edit import PROVENANCE, dels_at_last_use, fusion_for
 from thunder_fsdp_mem.passes.mincut import PlanError, SavePlan, recomputable
 from thunder_fsdp_mem.passes.regions import closed
-from thunder_fsdp_mem.thunder_internals import update_fusion
 
 
 def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[TraceCtx, TraceCtx]:
@@ -70,8 +69,8 @@ def apply_plan(forward: TraceCtx, backward: TraceCtx, plan: SavePlan) -> tuple[T
     with tracectx(new_backward):
         for bsym in recomputed:
             clones.append(_clone(_what_is_read(bsym, read - defined), defined, new_backward))
-    placed = _insert_before_first_use(bw, clones, start=unpack_at + 1)
-    new_backward.bound_symbols = _drop_repeats(_into_reading_regions(placed, {id(c) for c in clones}))
+    new_backward.bound_symbols = _insert_before_first_use(bw, clones, start=unpack_at + 1)
+    new_backward.bound_symbols = _drop_repeats(new_backward.bound_symbols)
     new_backward = dels_at_last_use(new_backward, clear_mutable_collections=True)
     new_backward.set_provenance(TraceProvenance(f"{PROVENANCE}: recomputes {len(plan.recompute)} forward symbols"))
     return new_forward, new_backward
@@ -190,59 +189,6 @@ def _drop_repeats(bsyms: list) -> list:
             first.setdefault(key, b)
         out.append(b)
     return out
-
-
-def _into_reading_regions(bsyms: list, recomputed: set[int]) -> list:
-    """``bsyms`` with each recomputed fusion region of elementwise ops (``id`` in ``recomputed``) whose outputs only
-    one later region of the same executor reads folded into that region, its ops placed before the first of the region's ops that reads
-    them. The ops are the same, and a fusion compiler rounds each value where the trace converts it, whichever
-    kernel computes it: the bits stay. What changes is when they run: a region of its own runs first in the
-    backward's stretch where it is placed (a GELU recomputed from the MLP's first matmul's output opens each
-    block's backward), alone on the device, while FSDP2 copies the previous block's gradients out on another stream
-    and both compete for memory bandwidth; inside the region that reads it, its kernel runs among that region's
-    matmuls, and the backward calls one region fewer."""
-    readers: dict[str, list[int]] = {}
-    for i, b in enumerate(bsyms):
-        for name in {a.name for a in b.flat_proxy_args}:
-            readers.setdefault(name, []).append(i)
-    into: dict[int, list[int]] = {}  # reading region -> the recomputed regions folded into it
-    for i, b in enumerate(bsyms):
-        if id(b) not in recomputed or not is_fusion(b) or not recomputable(b) or accumulates(b):
-            continue  # elementwise regions only: a reduction or a matmul keeps the kernel it ran in
-        reading = {j for o in b.flat_proxy_outs for j in readers.get(o.name, ())}
-        if len(reading) != 1:
-            continue
-        (j,) = reading
-        target = bsyms[j]
-        if j > i and is_fusion(target) and target.sym.executor is b.sym.executor:
-            into.setdefault(j, []).append(i)
-    if not into:
-        return bsyms
-    folded = {i for group in into.values() for i in group}
-    out = []
-    for j, b in enumerate(bsyms):
-        if j in folded:
-            continue
-        out.append(_folded(b, [bsyms[i] for i in into[j]]) if j in into else b)
-    return out
-
-
-def _folded(region, recomputed: list):
-    """``region`` computing also the ops of the ``recomputed`` regions it reads, each group placed before the first
-    of its ops that reads what the group makes; its arguments: its own but those, then the groups' arguments."""
-    subs = list(region.subsymbols)
-    made: set[str] = set()
-    for r in recomputed:
-        outs = {o.name for o in r.flat_proxy_outs}
-        at = next(k for k, s in enumerate(subs) if any(a.name in outs for a in s.flat_proxy_args))
-        subs[at:at] = list(r.subsymbols)
-        made |= outs
-    args, seen = [], set()
-    for a in (*region.args, *(x for r in recomputed for x in r.args)):
-        if isinstance(a, Proxy) and a.name not in made and a.name not in seen:
-            seen.add(a.name)
-            args.append(a)
-    return update_fusion(dataclasses.replace(region, args=tuple(args), subsymbols=tuple(subs)))
 
 
 def _insert_before_first_use(bsyms: list, clones: list, *, start: int) -> list:
