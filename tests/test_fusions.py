@@ -178,8 +178,18 @@ def test_soft_capped_attentions_scores_computed_again_give_eagers_gradients_in_f
 
     loss, grads, _ = step(compiled=False)
     loss_t, grads_t, jitted = step(compiled=True)
-    square = [t for t in saved_tensors(thunder.last_traces(jitted)[-1]) if tuple(t.shape[-2:]) == (256, 256)]
+    saved = saved_tensors(thunder.last_traces(jitted)[-1])
+    square = [t for t in saved if tuple(t.shape[-2:]) == (256, 256)]
     assert square == []  # the scores and probabilities are computed again in the backward's fusions
+    # from the softmax's row statistics, saved: (1, heads, T, 1) each, a maximum and a sum a layer
+    heads = spec.config().n_head
+    assert sum(tuple(t.shape) == (1, heads, 256, 1) for t in saved) == 2 * spec.n_layers
+    backward = thunder.last_backward_traces(jitted)[-1]
+    assert "amax" not in _op_names(backward.bound_symbols)  # no row maximum over (T, T) again
     assert abs(loss_t - loss) <= GRADIENT_TOLERANCE * abs(loss)
     for g, g_t in zip(grads, grads_t, strict=True):
         assert (g_t - g).abs().max() <= GRADIENT_TOLERANCE * g.abs().max()
+
+
+def _op_names(bsyms) -> set[str]:
+    return {b.sym.name for b in bsyms} | {n for b in bsyms for n in _op_names(b.subsymbols)}

@@ -34,6 +34,7 @@ tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from thunder.core import rematerialization as remat
@@ -41,16 +42,21 @@ from thunder.core.prims import PrimIDs
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 from thunder.core.trace import TraceCtx, from_trace
+from thunder import torch as ltorch
 
 from thunder_fsdp_mem.analysis.cost import op_flops, traffic_equivalent
-from thunder_fsdp_mem.analysis.symbols import is_fusion, nbytes, without_dels
+from thunder_fsdp_mem.analysis.symbols import is_fusion, names, nbytes, numel, sym_id, without_dels
 from thunder_fsdp_mem.config import MemoryConfig
 from thunder_fsdp_mem.passes import mincut, plan_rewrite
 from thunder_fsdp_mem.passes.declaration import Declaration, Scope
 from thunder_fsdp_mem.units import format_bytes
 from thunder_fsdp_mem.passes.driver import Checks, Context, Pair, PassError, Proposal
-from thunder_fsdp_mem.passes.mincut import expanding, recomputable
-from thunder_fsdp_mem.thunder_internals import update_fusion
+from thunder_fsdp_mem.passes.mincut import EXPANSION, expanding, recomputable
+from thunder_fsdp_mem.thunder_internals import softmax_symbol, update_fusion
+
+
+SOFTMAXES = names(softmax_symbol())
+REDUCTIONS = names(ltorch.amax, ltorch.amin, ltorch.sum)
 
 
 class FusionError(PassError):
@@ -103,6 +109,8 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tupl
         for c_id in mine:
             consumer = consumers[at[c_id]]
             p_now, c_now = current[id(producer)], current[c_id]
+            if scores:
+                p_now = _softmax_opened(p_now)
             external = tuple(
                 o
                 for o in p_now.output
@@ -137,7 +145,8 @@ def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
     costs no more than its bytes written and read once (``cost.traffic_equivalent`` of the matmuls it runs again) and
     adds fewer bytes to what the forward saves than it removes. Thunder's own cut never crosses a matmul; attention
     decomposed inside one fusion (a soft-cap, a mask, a fusion executor that claims attention) keeps its (T, T)
-    tensors alive from forward to backward without this."""
+    tensors alive from forward to backward without this. The walk keeps row statistics (``_statistic``: the
+    softmax's maximum and sum, once ``_softmax_opened`` exposes them) rather than reduce over (T, T) again."""
     inputs = {a.name for a in producer.flat_proxy_args}
     produced, proxies = {}, {a.name: a for a in producer.flat_proxy_args}  # proxies: Thunder's cut may name values
     for b in producer.subsymbols:
@@ -170,6 +179,38 @@ def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
     return list(widened.values())
 
 
+def _softmax_opened(region):
+    """``region`` with each softmax over the output of an expanding matmul (attention's probabilities) replaced by
+    the ops it is made of (the row maximum, the exponentials, their row sum, the division), so that a cut may keep
+    the two row statistics, a few hundred KiB at 8192 tokens, and the backward compute the probabilities again
+    elementwise from the scores, as flash attention's backward does, instead of both reductions over (T, T) again.
+    On CUDA Inductor's post-grad patterns turn the ops into the one-pass online softmax its lowering of the softmax
+    gives. ``region`` itself where it has no such softmax."""
+    subs = list(region.subsymbols)
+    expanded = {o.name for s in subs if expanding(s) for o in s.flat_proxy_outs}
+    for s in subs:  # what is computed from the expanding matmuls' outputs
+        if any(a.name in expanded for a in s.flat_proxy_args):
+            expanded.update(o.name for o in s.flat_proxy_outs)
+    opened = []
+    for s in subs:
+        if sym_id(s) in SOFTMAXES and s.subsymbols and any(a.name in expanded for a in s.flat_proxy_args):
+            opened.extend(s.subsymbols)
+        else:
+            opened.append(s)
+    if len(opened) == len(subs):
+        return region
+    return dataclasses.replace(region, subsymbols=tuple(opened))
+
+
+def _statistic(bsym) -> bool:
+    """A reduction whose output is a row statistic: at most 1/``EXPANSION`` of its input's elements."""
+    if sym_id(bsym) not in REDUCTIONS:
+        return False
+    ins = [a for a in bsym.flat_proxy_args if isinstance(a, TensorProxy)]
+    outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+    return bool(ins and outs) and EXPANSION * sum(numel(o) for o in outs) <= numel(ins[0])
+
+
 def _worth(value, chain: list, frontier: list, *, held: set[str]) -> bool:
     """Whether computing ``value`` again by ``chain`` from ``frontier`` beats keeping it: the chain runs an expanding
     matmul, costs no more than ``value``'s bytes written and read once, and the frontier adds fewer bytes than
@@ -193,6 +234,9 @@ def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] |
             frontier[t.name] = t
             continue
         bsym = produced[t.name]
+        if t is not value and _statistic(bsym):
+            frontier[t.name] = t  # kept: a row statistic costs little to save and a pass over its input to rerun
+            continue
         if not (recomputable(bsym) or expanding(bsym)):
             return None
         chain.setdefault(id(bsym), bsym)
