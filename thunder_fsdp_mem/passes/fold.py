@@ -222,6 +222,8 @@ def _carried(bsyms: list, i: int, j: int):
     between = {a.name for b in bsyms[j + 1 : k] for a in b.flat_proxy_args}
     if made & returned & between:
         return None  # read before the target region runs
+    if made & {a.name for a in target.flat_proxy_args}:
+        return None  # the target's own ops read it: they run before what is carried
     there = {a.name: a for a in target.flat_proxy_args}
     same = _same_as_returned(kept, returned)
     swap, pulled = {}, []
@@ -229,7 +231,7 @@ def _carried(bsyms: list, i: int, j: int):
         readers = [s for s in moved if any(a.name == name for a in s.flat_proxy_args)]
         if not _as_stored(name, kept, readers):
             return None  # the reader's ops read it unrounded, the target would read it stored
-        found = _at_target(name, proxy, kept, there, same, returned, pulled)
+        found = _at_target(name, proxy, kept, there, same, pulled)
         if found is None:
             return None
         if found is not proxy:
@@ -296,7 +298,6 @@ def _read_from_outside(ops: list, made: set[str]) -> dict:
 
 def _same_as_returned(ops: list, returned: set[str]) -> dict[str, object]:
     """Names the ops compute by the same op on the same arguments as a value they return -> that value's proxy."""
-
     returning = {}
     for s in ops:
         if len(s.flat_proxy_outs) == 1 and s.flat_proxy_outs[0].name in returned:
@@ -309,7 +310,7 @@ def _same_as_returned(ops: list, returned: set[str]) -> dict[str, object]:
     return found
 
 
-def _at_target(name, proxy, kept, there, same, returned, pulled):
+def _at_target(name, proxy, kept, there, same, pulled):
     """What the target region reads for ``name``: its own argument, the reader's output of the same value, or a
     view or reshape of one of these (its op copied into ``pulled``); None where it has none."""
     if name in there:
@@ -323,7 +324,7 @@ def _at_target(name, proxy, kept, there, same, returned, pulled):
         return None
     swap = {}
     for a in producer.flat_proxy_args:
-        found = _at_target(a.name, a, kept, there, same, returned, pulled)
+        found = _at_target(a.name, a, kept, there, same, pulled)
         if found is None:
             return None
         if found is not a:

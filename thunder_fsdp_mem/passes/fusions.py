@@ -63,21 +63,26 @@ class FusionError(PassError):
     """Thunder's rematerialization helpers did not take a pair of these traces' fusions."""
 
 
-def into_consumers(forward: TraceCtx, backward: TraceCtx, *, scores: bool = True) -> tuple[TraceCtx, TraceCtx, int]:
+def into_consumers(
+    forward: TraceCtx, backward: TraceCtx, *, scores: bool = True, statistics: bool = True
+) -> tuple[TraceCtx, TraceCtx, int]:
     """``forward`` and ``backward`` with each forward fusion's cut to each backward fusion taken again (see the
     module's docstring), and the bytes the forward saves less; the traces themselves and 0 where nothing moves.
     ``scores``: the cut also crosses attention's expanding matmul (``_through_expansions``,
-    ``MemoryConfig.recompute_scores``). Raises ``FusionError`` where Thunder's helpers fail on them (the driver then
+    ``MemoryConfig.recompute_scores``); ``statistics``: it keeps row statistics rather than reduce over (T, T)
+    again (``_through_expansions``). Raises ``FusionError`` where Thunder's helpers fail on them (the driver then
     keeps the traces, with a warning)."""
     try:
-        return _into_consumers(forward, backward, scores)
+        return _into_consumers(forward, backward, scores, statistics)
     except (RuntimeError, AssertionError, ValueError, KeyError, NotImplementedError) as e:
         if isinstance(e, PassError):
             raise
         raise FusionError(f"Thunder's rematerialization did not take these fusions: {type(e).__name__}: {e}") from e
 
 
-def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tuple[TraceCtx, TraceCtx, int]:
+def _into_consumers(
+    forward: TraceCtx, backward: TraceCtx, scores: bool, statistics: bool
+) -> tuple[TraceCtx, TraceCtx, int]:
     saved = mincut.saved_tensors(forward)
     fw = without_dels(forward.bound_symbols)
     bw = without_dels(backward.bound_symbols)
@@ -109,7 +114,7 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tupl
         for c_id in mine:
             consumer = consumers[at[c_id]]
             p_now, c_now = current[id(producer)], current[c_id]
-            if scores:
+            if scores and statistics:
                 p_now = _softmax_opened(p_now)
             external = tuple(
                 o
@@ -119,7 +124,7 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tupl
             )
             cut = remat.find_cut(external, p_now, c_now)
             if scores:
-                cut = _through_expansions(p_now, c_now, cut, saved_names)
+                cut = _through_expansions(p_now, c_now, cut, saved_names, statistics)
             if not cut:
                 continue
             c_new = remat.apply_rematerialization_for_consumer(p_now, c_now, cut)
@@ -137,7 +142,7 @@ def _into_consumers(forward: TraceCtx, backward: TraceCtx, scores: bool) -> tupl
     return _resaved(forward, backward, new_fw, new_bw, saved)
 
 
-def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
+def _through_expansions(producer, consumer, cut, saved_names: set[str], statistics: bool = True) -> list:
     """Thunder's ``cut`` of ``producer`` for ``consumer`` (or, where it has none, what ``consumer`` reads from
     ``producer``) with each value that is cheaper to compute again than to keep replaced by what it is computed
     from: a value larger than the values it comes from (attention's (T, T) scores and probabilities, computed by an
@@ -165,7 +170,7 @@ def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
         for value in reads:
             if value.name in replaced:
                 continue
-            found = _recomputation(value, produced, stop=held - replaced - {value.name})
+            found = _recomputation(value, produced, held - replaced - {value.name}, statistics)
             if found is not None and _worth(value, *found, held=held - replaced):
                 replaced.add(value.name)
                 changed = True
@@ -174,7 +179,7 @@ def _through_expansions(producer, consumer, cut, saved_names: set[str]) -> list:
     widened = {t.name: t for t in reads if t.name not in replaced}
     for value in reads:
         if value.name in replaced:
-            _, frontier = _recomputation(value, produced, stop=held - replaced - {value.name})
+            _, frontier = _recomputation(value, produced, held - replaced - {value.name}, statistics)
             widened.update((t.name, t) for t in frontier)
     return list(widened.values())
 
@@ -220,7 +225,7 @@ def _worth(value, chain: list, frontier: list, *, held: set[str]) -> bool:
     return any(expanding(s) for s in chain) and added < nbytes(value) and price <= 2 * nbytes(value)
 
 
-def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] | None:
+def _recomputation(value, produced: dict, stop: set[str], statistics: bool = True) -> tuple[list, list] | None:
     """The symbols of a fusion region that compute ``value`` from values in ``stop`` (saved anyway, or the region's
     inputs), and those values; None where the walk meets an op the cut may not recompute (a matmul that does not
     expand, a random op, an in-place copy)."""
@@ -234,7 +239,7 @@ def _recomputation(value, produced: dict, stop: set[str]) -> tuple[list, list] |
             frontier[t.name] = t
             continue
         bsym = produced[t.name]
-        if t is not value and _statistic(bsym):
+        if statistics and t is not value and _statistic(bsym):
             frontier[t.name] = t  # kept: a row statistic costs little to save and a pass over its input to rerun
             continue
         if not (recomputable(bsym) or expanding(bsym)):
@@ -280,11 +285,17 @@ def _propose(pair: Pair, context: Context, config: MemoryConfig) -> Proposal:
     forward, backward, less = into_consumers(pair.forward, pair.backward, scores=config.recompute_scores)
     if forward is pair.forward:
         return Proposal(forward, backward)
+    estimate = context.estimator(forward, backward)
+    if config.recompute_scores and estimate.peak_bytes > context.estimate().peak_bytes:
+        # Where the peak holds all that the forward saves, the row statistics raise it: the cut without them
+        forward, backward, less = into_consumers(pair.forward, pair.backward, statistics=False)
+        estimate = None
     return Proposal(
         forward,
         backward,
         forward_checks=Checks(ignore_saved=True),
         note=f"the backward's fusions recompute what they read from the forward's: saves {format_bytes(less)} less",
+        estimate=estimate,
     )
 
 
