@@ -179,8 +179,10 @@ def _inserted(subs: list, ops: list, at: int) -> list | None:
     return [*subs[:at], *fresh, *subs[at:]]
 
 
-def _key(s) -> tuple:
-    return s.sym.id, tuple(repr(a) for a in s.args), tuple(sorted((k, repr(v)) for k, v in s.kwargs.items()))
+def _key(s):
+    """The op and its arguments, as Thunder's common-subexpression elimination compares symbols (``_drop_repeats``
+    in ``plan_rewrite`` too)."""
+    return s.rhs
 
 
 def _carried(bsyms: list, i: int, j: int):
