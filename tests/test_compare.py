@@ -266,3 +266,20 @@ def test_the_summary_table_never_shortens_a_figure():
         "-0.6%",
     ):
         assert f" {figure} |" in text, figure
+
+
+def test_cut_cross_entropy_with_every_block_computed_is_a_loss_of_its_own():
+    # ``@loss=cce-exact``: Cut Cross-Entropy without its gradient filter, the same work as ``chunked``; it needs
+    # the same package as ``cce`` and, like it, refuses a head with a bias.
+    from litgpt import GPT, Config
+
+    from benchmarks.variants import split_variant
+    from thunder_fsdp_mem.training import loss_placement
+
+    assert split_variant("inductor@loss=cce-exact").loss == "cce-exact"
+    assert loss_placement.available("cce-exact") == loss_placement.available("cce")
+    gpt = GPT(
+        Config(n_layer=1, n_embd=8, n_head=2, block_size=4, vocab_size=16, padded_vocab_size=16, lm_head_bias=True)
+    )
+    with pytest.raises(ValueError, match="no bias on the head"):
+        loss_placement.ExternalLoss(gpt, "cce-exact")

@@ -84,7 +84,8 @@ def _modes_help() -> str:
             "",
             "a mode's own options, after @ (several allowed): ex=default|default+cat|default+inductor|fused",
             "(Thunder's executors),",
-            "loss=eager|trace|liger|cce|chunked; +mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
+            "loss=eager|trace|view|litgpt|liger|cce|cce-exact|chunked;",
+            "+mem modes: w= (recompute weight), ag=, rs= (collectives in flight),",
             "fold=0|1, fr=0|1 (fusion rematerialize), chunk=0|1, budget=60GB; torch.compile modes: amb=0..1",
             "(activation_memory_budget). e.g. --modes fsdp2-inductor,fsdp2-thunder+mem@budget=60GB,inductor@amb=0.5",
         ]

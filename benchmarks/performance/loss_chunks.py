@@ -25,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="Llama-3.2-1B", help="litgpt configuration name (its head's shape)")
     p.add_argument("--tokens", type=int, default=8192, help="rows of hidden states")
     p.add_argument("--chunks", type=int, nargs="+", default=[0], help="chunk counts of ours (0: the default)")
-    p.add_argument("--external", nargs="*", default=["liger", "cce"], help="fused losses beside ours")
+    p.add_argument(
+        "--external", nargs="*", default=["liger", "cce"], help="fused losses beside ours: liger, cce, cce-exact"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, help="list each row's N longest kernels (torch.profiler)")
@@ -45,7 +47,8 @@ def _loss_fn(kind: str, chunks: int, softcap):
         return lambda h, w, t: liger(w, h, t)
     from cut_cross_entropy import linear_cross_entropy
 
-    return lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap)
+    filter_eps = None if kind == "cce-exact" else "high"  # ``loss_placement``: cce-exact computes every block
+    return lambda h, w, t: linear_cross_entropy(h, w, t, softcap=softcap, filter_eps=filter_eps)
 
 
 def measure(kind: str, chunks: int, args, config) -> dict:

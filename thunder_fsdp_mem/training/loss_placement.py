@@ -7,6 +7,9 @@
   ``LigerFusedLinearCrossEntropyLoss`` or Cut Cross-Entropy's ``linear_cross_entropy`` then runs eagerly on the
   hidden states and the head's weight. These are the baselines to beat, installed with ``pip install .[bench]``;
   ``available(loss)`` says whether one is importable. Cut Cross-Entropy takes no bias on the head.
+- ``cce-exact``: Cut Cross-Entropy with ``filter_eps=None``. By default its backward skips every block of the
+  vocabulary whose gradient falls below a threshold, so its time depends on the logits and its gradients are not
+  exact; this row does the work that ``chunked`` does, to tell the two apart.
 - ``chunked``: the same, with the package's own ``chunked_linear_cross_entropy`` (``loss.function``) after the
   compiled hidden states, its chunk count its default.
 - ``view``, ``litgpt``: the loss as users write it inside their own module, compiled with the model
@@ -23,9 +26,10 @@ import torch
 
 from thunder_fsdp_mem.loss.function import chunked_linear_cross_entropy
 
-LOSSES = ("eager", "trace", "view", "litgpt", "liger", "cce", "chunked")
-EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}  # the packages of the external losses
-OUTSIDE = ("liger", "cce", "chunked")  # a fused linear cross-entropy after the compiled hidden states
+LOSSES = ("eager", "trace", "view", "litgpt", "liger", "cce", "cce-exact", "chunked")
+# The packages of the external losses.
+EXTERNAL = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "cce-exact": "cut_cross_entropy"}
+OUTSIDE = ("liger", "cce", "cce-exact", "chunked")  # a fused linear cross-entropy after the compiled hidden states
 INSIDE = ("trace", "view", "litgpt")  # compiled with the model: the step's module takes (idx, targets)
 USER_FORMS = ("view", "litgpt")  # ``UserLoss``'s
 
@@ -44,7 +48,7 @@ class ExternalLoss(torch.nn.Module):
         super().__init__()
         if kind not in OUTSIDE:
             raise ValueError(f"a loss after the hidden states must be one of {', '.join(OUTSIDE)}, got {kind!r}")
-        if kind == "cce" and gpt.lm_head.bias is not None:
+        if kind.startswith("cce") and gpt.lm_head.bias is not None:
             raise ValueError("Cut Cross-Entropy takes no bias on the head")
         self.gpt = gpt
         self.kind = kind
@@ -72,7 +76,11 @@ class ExternalLoss(torch.nn.Module):
             )
         from cut_cross_entropy import linear_cross_entropy
 
-        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=self.ignore_index, softcap=self.softcap)
+        # ``filter_eps`` None: every block's gradient computed (``cce-exact``); "high" is Cut Cross-Entropy's default.
+        filter_eps = None if self.kind == "cce-exact" else "high"
+        return linear_cross_entropy(
+            hidden, head.weight, targets, ignore_index=self.ignore_index, softcap=self.softcap, filter_eps=filter_eps
+        )
 
 
 class UserLoss(torch.nn.Module):
