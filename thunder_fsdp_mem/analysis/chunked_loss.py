@@ -16,6 +16,7 @@ import math
 
 FORWARD = "chunked_linear_cross_entropy"  # the loss alone (a program without autograd)
 FORWARD_WITH_GRADS = "chunked_linear_cross_entropy_with_grads"  # the loss and the gradients of its inputs
+SCALE = "chunked_linear_cross_entropy_scale"  # the backward: a gradient times the cotangent, in place
 EXECUTOR = "fsdp_mem_loss"
 SYMBOLS = frozenset({FORWARD, FORWARD_WITH_GRADS})
 # The symbols' arguments: (hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype).

@@ -3,7 +3,7 @@ workspace the op allocates that the trace does not show.
 
 Entry point: ``classify(bsym, strides_of) -> Effect``. Rules, by ``symbols.sym_id``:
 - view ops (``symbols.VIEW_OPS``: Thunder's symbols that return views, slicing, the wait of a collective...) alias
-  their first tensor argument;
+  their first tensor argument, as does the chunked loss's backward scaling (``chunked_loss.SCALE``, in place);
 - ``reshape``-like ops alias when torch can view the input (see ``layout.view_strides``) and copy otherwise;
   ``to``/``contiguous`` alias when they change nothing;
 - fusion regions (``TorchCompile*``, ``nvFusion*``) allocate their outputs, except outputs that their own
@@ -145,6 +145,8 @@ def classify(bsym, strides_of: StridesOf) -> Effect:
     first = args[0] if args else None
     if sid in VIEW_OPS and first is not None:
         return Effect(Kind.COMPUTE, tuple(_view(bsym, sid, first, o, strides_of) for o in outs))
+    if sid == chunked_loss.SCALE and first is not None:  # writes its result over its input (``loss.scale``)
+        return Effect(Kind.COMPUTE, (Output(outs[0], first.name, strides_of(first.name)),))
     if sid in RESHAPE_OPS and first is not None:
         new = layout.view_strides(shape(first), strides_of(first.name), shape(outs[0]))
         if new is None:

@@ -11,7 +11,8 @@ an eager FSDP2 module)::
 It returns what ``F.cross_entropy(F.linear(hidden, weight, bias).reshape(-1, V), targets.reshape(-1))`` returns (with
 ``softcap``: of the soft-capped logits), in ``hidden``'s dtype, without ever holding more than one chunk of logits:
 the forward computes the loss and the gradients of ``hidden``, ``weight`` and ``bias`` together (the way Liger's
-fused linear cross-entropy does) and the backward multiplies them by the loss's cotangent, in place. Each chunk is
+fused linear cross-entropy does) and the backward multiplies them by the loss's cotangent, in place (on CUDA not at
+all when it is one: ``loss.scale``). Each chunk is
 computed in float32, on CUDA by a ``torch.compile``'d kernel pair (``loss.operator``).
 
 ``torch.compile`` (and ThunderFX) leave the call out of their graphs and run it as it is. Inside a ``thunder.jit``
@@ -28,6 +29,7 @@ import torch
 
 from thunder_fsdp_mem.analysis.chunked_loss import candidate_chunks, chunk_rows
 from thunder_fsdp_mem.loss.operator import run_chunks
+from thunder_fsdp_mem.loss.scale import scale_by_cotangent_
 
 REDUCTIONS = ("mean", "sum")
 
@@ -64,14 +66,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError("chunked_linear_cross_entropy: its backward runs once (the gradients are freed)")
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             if g is not None:
-                by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, same in by_dtype.items():
-            # One multi-tensor kernel per dtype: ``mul_`` by a 0-dim device tensor broadcasts it, which keeps
-            # torch's elementwise kernel off its vectorized path, at about half the memory bandwidth.
-            torch._foreach_mul_(same, grad_loss.to(dtype))
+                scale_by_cotangent_((g,), grad_loss.to(g.dtype))
         return (*grads, None, None, None, None, None)
 
 

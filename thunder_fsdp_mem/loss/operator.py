@@ -5,7 +5,8 @@ Each chunk of rows computes its logits (one cuBLAS matmul), its share of the los
 those logits (softmax minus the one-hot of the target, over the tokens counted, through the soft-cap's derivative),
 from which it adds its part of the gradients of the hidden states, the weight and the bias (two more matmuls): the
 three matmuls of the unchunked program, no more. The gradients are kept for backward, which only multiplies them by
-the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives).
+the loss's cotangent (exact when that is 1, as ``loss.backward()`` gives; the parameters' in place, on CUDA skipped
+when it is 1: ``loss.scale``).
 
 - ``linear_cross_entropy(h, W, b, targets, ignore_index, softcap, reduction, chunks)``: the loss (a Thunder
   symbol with a grad rule, what ``rewrite`` puts in the trace); run without autograd it computes the loss alone.
@@ -28,7 +29,8 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.extend import OperatorExecutor, register_executor
 
-from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, row_chunks
+from thunder_fsdp_mem.analysis.chunked_loss import EXECUTOR, FORWARD, FORWARD_WITH_GRADS, SCALE, row_chunks
+from thunder_fsdp_mem.loss.scale import scale_by_cotangent_
 
 loss_ex = OperatorExecutor(EXECUTOR, version="0.1")
 register_executor(loss_ex)
@@ -168,19 +170,33 @@ def _with_grads_impl(*args):
     return run_chunks(*args[:-1], dtypes.to_torch_dtype(args[-1]), grads=True)
 
 
+def _scale_meta(grad, cotangent):
+    return TensorProxy(like=grad)
+
+
+def _scale_impl(grad, cotangent):
+    scale_by_cotangent_((grad,), cotangent)
+    return grad
+
+
 linear_cross_entropy = loss_ex.register_operator(FORWARD, meta=_loss_meta, fn=_loss_impl)
 linear_cross_entropy_with_grads = loss_ex.register_operator(
     FORWARD_WITH_GRADS, meta=_with_grads_meta, fn=_with_grads_impl
 )
+# A gradient from the forward times the loss's cotangent, written over it (``loss.scale``).
+scaled_by_cotangent = loss_ex.register_operator(SCALE, meta=_scale_meta, fn=_scale_impl)
 
 
 def _grad(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):
-    loss, *grads = linear_cross_entropy_with_grads(
+    loss, grad_hidden, *grads = linear_cross_entropy_with_grads(
         hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype
     )
     g = get_grad(loss)
-    for primal, grad in zip((hidden, weight, bias), grads):
-        put_grad(primal, grad * g)
+    # The hidden states' gradient flows on through the model's backward, whose fusion takes the multiplication in;
+    # the parameters' are the trace's outputs, scaled in place and not at all when the cotangent is one.
+    put_grad(hidden, grad_hidden * g)
+    for primal, grad in zip((weight, bias), grads):
+        put_grad(primal, scaled_by_cotangent(grad, g))
     return loss
 
 
