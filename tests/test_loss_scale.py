@@ -77,5 +77,5 @@ def test_off_cuda_it_multiplies_in_place_as_torch_does(dtype):
     x = torch.randn(3, 5).to(dtype)
     want = x * torch.tensor(0.3, dtype=dtype)
     before = x.data_ptr()
-    scale_by_cotangent_((x,), torch.tensor(0.3, dtype=dtype))
+    scale_by_cotangent_(x, torch.tensor(0.3, dtype=dtype))
     assert x.data_ptr() == before and torch.equal(x, want)

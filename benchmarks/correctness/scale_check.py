@@ -46,7 +46,7 @@ def main() -> int:
                 for cotangent_dtype in {dtype, torch.float32}:
                     cotangent = torch.tensor(c, device=device, dtype=cotangent_dtype)
                     got = x.clone()
-                    scale_by_cotangent_((got,), cotangent)
+                    scale_by_cotangent_(got, cotangent)
                     ok = _same(x * cotangent, got)
                     if not ok:
                         wrong.append(f"{dtype} x {c} ({cotangent_dtype}), {n} elements")
@@ -54,7 +54,7 @@ def main() -> int:
     grad = torch.randn(HEAD, device=device, generator=gen).to(torch.bfloat16)
     for c in (1.0, 0.5):
         cotangent = torch.tensor(c, device=device, dtype=torch.bfloat16)
-        ours = _time_ms(lambda: scale_by_cotangent_((grad,), cotangent))
+        ours = _time_ms(lambda: scale_by_cotangent_(grad, cotangent))
         torchs = _time_ms(lambda: grad.mul_(cotangent))
         print(f"{HEAD} bf16, cotangent {c}: loss.scale {ours:.3f} ms, mul_ {torchs:.3f} ms")
     return 1 if wrong else 0

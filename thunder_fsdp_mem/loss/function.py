@@ -68,7 +68,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("chunked_linear_cross_entropy: its backward runs once (the gradients are freed)")
         for g in grads:
             if g is not None:
-                scale_by_cotangent_((g,), grad_loss.to(g.dtype))
+                scale_by_cotangent_(g, grad_loss.to(g.dtype))
         return (*grads, None, None, None, None, None)
 
 

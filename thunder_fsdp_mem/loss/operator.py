@@ -174,17 +174,12 @@ def _scale_meta(grad, cotangent):
     return TensorProxy(like=grad)
 
 
-def _scale_impl(grad, cotangent):
-    scale_by_cotangent_((grad,), cotangent)
-    return grad
-
-
 linear_cross_entropy = loss_ex.register_operator(FORWARD, meta=_loss_meta, fn=_loss_impl)
 linear_cross_entropy_with_grads = loss_ex.register_operator(
     FORWARD_WITH_GRADS, meta=_with_grads_meta, fn=_with_grads_impl
 )
 # A gradient from the forward times the loss's cotangent, written over it (``loss.scale``).
-scaled_by_cotangent = loss_ex.register_operator(SCALE, meta=_scale_meta, fn=_scale_impl)
+scaled_by_cotangent = loss_ex.register_operator(SCALE, meta=_scale_meta, fn=scale_by_cotangent_)
 
 
 def _grad(hidden, weight, bias, targets, ignore_index, softcap, reduction, chunks, loss_dtype):

@@ -7,7 +7,7 @@ for bit in IEEE arithmetic (a zero keeps its sign, a NaN stays a NaN), so that m
 writes every gradient, the head's weight among them (vocabulary x hidden). On CUDA one Triton kernel reads the
 cotangent on the device and returns at once when it is one; otherwise it multiplies in float32 and rounds to the
 gradient's dtype, which is what torch's multiplication of the same tensors gives. The host never waits for the
-device. Elsewhere (CPU, the meta device) ``mul_``.
+device. Elsewhere (CPU, the meta device, CUDA without Triton) ``mul_``.
 
 In place: the gradients are the loss's own buffers, which nothing else reads (the plain function frees them in its
 backward, Thunder's backward clears what the forward saved), and a backward runs once.
@@ -16,27 +16,34 @@ backward, Thunder's backward clears what the forward saved), and a backward runs
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 
 _BLOCK = 4096  # elements a program handles at a time
-_PROGRAMS_PER_SM = 4  # the grid: enough programs to keep every SM loading, each striding over the tensor
+_PROGRAMS_PER_SM = 4  # the grid: enough programs to keep every SM loading, each over a span of blocks
 _MOST_ELEMENTS = 2**30  # a launch's extent, so that int32 offsets never overflow
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def scale_by_cotangent_(tensors, cotangent: torch.Tensor) -> None:
-    """Multiply each of ``tensors`` by ``cotangent`` (a 0-dim tensor) in place."""
-    for x in tensors:
-        if _on_kernel(x, cotangent):
-            launch(x, cotangent)
-        else:
-            x.mul_(cotangent)
+def scale_by_cotangent_(x: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+    """``x`` multiplied by ``cotangent`` (a 0-dim tensor) in place; returns ``x``."""
+    if _on_kernel(x, cotangent):
+        launch(x, cotangent)
+    else:
+        x.mul_(cotangent)
+    return x
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _on_kernel(x: torch.Tensor, cotangent: torch.Tensor) -> bool:
     return (
         x.is_cuda
+        and _has_triton()
         and cotangent.device == x.device
         and cotangent.numel() == 1
         and x.dtype in _DTYPES
