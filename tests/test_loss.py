@@ -130,6 +130,31 @@ def test_the_default_transform_chunks_the_loss_within_tolerance():
     assert "folded casts" not in transform.summary() and "folded casts" in transform.summary(details=True)
 
 
+def test_a_cotangent_other_than_one_scales_every_gradient_once():
+    # ``(loss * c).backward()``: the backward multiplies the forward's gradients by c once (the weight's and the
+    # bias's in place, ``loss.scale``), as eager PyTorch's gradients of c * loss are.
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(6, 40, 8, generator=g, requires_grad=True)
+    w = torch.randn(50, 8, generator=g).requires_grad_()
+    b = torch.randn(50, generator=g).requires_grad_()
+    t = torch.randint(0, 50, (6, 40), generator=g)
+
+    def loss_of(h, w, b, t):
+        return F.cross_entropy(F.linear(h, w, b).reshape(-1, 50), t.reshape(-1))
+
+    (loss_of(h, w, b, t) * 0.37).backward()
+    reference = {"h": h.grad, "w": w.grad, "b": b.grad}
+    h.grad = w.grad = b.grad = None
+    jitted = thunder.jit(loss_of, transforms=[transform := _Chunked(3)])
+    (jitted(h, w, b, t) * 0.37).backward()
+    assert len(transform.found) == 1
+    backward = thunder.last_backward_traces(jitted)[-1]
+    assert [sym_id(s) for s in backward.bound_symbols].count(chunked_loss.SCALE) == 2  # the weight's, the bias's
+    for name, got in (("h", h.grad), ("w", w.grad), ("b", b.grad)):
+        largest = reference[name].abs().max().item()
+        assert (got - reference[name]).abs().max().item() <= TOLERANCE[torch.float32] * largest, name
+
+
 def test_every_token_ignored_gives_torchs_nan_and_finite_gradients():
     spec = SPECS["llama"]
     idx, _ = _targets(spec)
