@@ -108,10 +108,18 @@ def _two_readers(x, w1, w2, w3):
     return (torch.nn.functional.gelu(h) @ w2) * torch.tanh(h @ w3)
 
 
+def _read_through_a_chain(x, w1, w2, w3):
+    h = x @ w1
+    t = torch.tanh(h)  # h's last reader in the trace, but t has no buffer: the last matmul's operand computes it
+    u = x @ w3  # again from h, so h is alive beside u (gemma-2's scores beside the gradient of its probabilities)
+    return (t * u) @ w2
+
+
 def test_a_fused_region_holds_its_matmuls_buffers_as_the_compiled_region_does():
     # One torch.compile region on the CPU (``fused``); its matmuls' results and computed operands are buffers that
     # it frees inside, which the region's outputs do not show. The estimate of the whole trace equals the live
-    # bytes measured while the compiled region runs (without the workspace it would be 1 MiB and more under).
+    # bytes measured while the compiled region runs (without the workspace it would be 1 MiB and more under; with
+    # h freed at its last reader in the trace, 1 MiB under for ``_read_through_a_chain``).
     from thunder_fsdp_mem.analysis.liveness import analyze
     from thunder_fsdp_mem.analysis.symbols import is_fusion
     from thunder_fsdp_mem.predict.cpu_memory import CPUMemory
@@ -121,7 +129,9 @@ def test_a_fused_region_holds_its_matmuls_buffers_as_the_compiled_region_does():
     m, k, n, p = 512, 64, 1024, 32
     x, w1 = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
     w2, w3 = torch.randn(n, p, dtype=torch.bfloat16), torch.randn(n, p, dtype=torch.bfloat16)
-    for fn, args in ((_gelu_chain, (x, w1, w2)), (_two_readers, (x, w1, w2, w3))):
+    w4 = torch.randn(k, n, dtype=torch.bfloat16)
+    cases = ((_gelu_chain, (x, w1, w2)), (_two_readers, (x, w1, w2, w3)), (_read_through_a_chain, (x, w1, w2, w4)))
+    for fn, args in cases:
         jitted = thunder.jit(fn, executors=runtime.executors("fused"))
         jitted(*args)
         trace = thunder.last_traces(jitted)[-1]

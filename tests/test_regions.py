@@ -20,14 +20,14 @@ from configs import NEOX
 from support import upstream
 from thunder_fsdp_mem import FSDPMemoryTransform, MemoryConfig
 from thunder_fsdp_mem.analysis.symbols import is_fusion
-from thunder_fsdp_mem.passes import budget
+from thunder_fsdp_mem.passes import budget, fold
 from thunder_fsdp_mem.passes.mincut import recomputable
 from thunder_fsdp_mem.passes.regions import opened
 from thunder_fsdp_mem.predict.meta import as_on
 from thunder_fsdp_mem.training import litgpt_models, runtime
 
 SPEC = dataclasses.replace(NEOX, n_layers=1)  # C 128, 4 heads of 32, MLP 512, T 64
-LONGER = dataclasses.replace(SPEC, block_size=256)  # where the estimator lets the GELU go with its derivative
+LONGER = dataclasses.replace(SPEC, block_size=256)
 
 
 def _executors():
@@ -67,6 +67,15 @@ def _opened_budget_block():
         return _block(MemoryConfig(fusion_rematerialize=False, saved_budget=150 * 1024, strict=True))
 
 
+def _folded_block():
+    """The default block with the fold pass made to fold every recomputed region into its reader, never to carry it
+    along into a later region (the estimator has it carry the GELU at these sizes)."""
+    fold_all = fold.fold
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fold, "fold", lambda bsyms, recomputed, carry=True: fold_all(bsyms, recomputed, carry=False))
+        return _block(MemoryConfig(strict=True))
+
+
 @pytest.fixture(scope="module")
 def runs():
     return {
@@ -74,6 +83,7 @@ def runs():
         "no fusion remat": _block(MemoryConfig(fusion_rematerialize=False, strict=True)),
         "fusion remat alone": _block(MemoryConfig(rematerialize=False, strict=True)),
         "default": _block(MemoryConfig(strict=True)),
+        "default, folded": _folded_block(),
         "budget, opened": _opened_budget_block(),
         "fusion remat alone, T 256": _block(MemoryConfig(rematerialize=False, strict=True), LONGER),
         "default, T 256": _block(MemoryConfig(strict=True), LONGER),
@@ -87,6 +97,7 @@ def _equal(a, b) -> bool:
 def test_recomputing_inside_regions_keeps_the_bits(runs):
     assert _equal(runs["plain"], runs["no fusion remat"])  # every pass but Thunder's own fusion rematerialization
     assert _equal(runs["fusion remat alone"], runs["default"])  # the cut adds no rounding to Thunder's
+    assert _equal(runs["fusion remat alone"], runs["default, folded"])  # nor the GELU folded into its reader
     assert _equal(runs["fusion remat alone, T 256"], runs["default, T 256"])  # nor the GELU carried along
     forward = runs["plain"][2]
     assert sum(is_fusion(b) for b in forward.bound_symbols) == 2  # two regions, attention between them
@@ -110,30 +121,36 @@ def test_the_block_saves_the_matmul_outputs_not_what_is_computed_from_them(runs)
 
 
 def test_the_recomputed_gelu_runs_inside_a_region_that_reads_it(runs):
-    # The GELU of the MLP's first matmul's output, recomputed for the second matmul's weight gradient. At 64 tokens
-    # it is folded into the region of that matmul, after the region's first matmul; at 256 the estimator lets it go,
-    # with that matmul, into the region that computes the GELU's derivative from the same saved output, so that one
-    # region reads it. Neither leaves a region of its own.
-    backward = runs["default"][3]
+    # The GELU of the MLP's first matmul's output, recomputed for the second matmul's weight gradient. Folded, it runs
+    # in the region of that matmul, after the region's first matmul; by default the estimator lets it go, with that
+    # matmul, into the region that computes the GELU's derivative from the same saved output, so that one region
+    # reads it. Neither leaves a region of its own.
+    backward = runs["default, folded"][3]
     ops = [[s.sym.name for s in b.subsymbols] for b in backward.bound_symbols if is_fusion(b)]
     (names,) = [names for names in ops if "erf" in names and "exp" not in names]  # the GELU, not its derivative
     assert names.index("matmul") < names.index("erf"), names
 
-    C, T, mlp = 128, LONGER.block_size, 512
-    forward, backward = runs["default, T 256"][2:]
-    saved_by_forward = forward.bound_symbols[-1].args[1][0]
-    (saved,) = [t for t in saved_by_forward if isinstance(t, TensorProxy) and t.shape == (1, T, mlp)]
-    readers = [b for b in backward.bound_symbols if any(a.name == saved.name for a in b.flat_proxy_args)]
-    (region,) = [b for b in readers if b.sym.name not in ("del", "python_del")]
-    assert {"erf", "exp", "matmul"} <= {s.sym.name for s in region.subsymbols}
-    assert (C, mlp) in [tuple(o.shape) for o in region.flat_proxy_outs]  # the second matmul's weight gradient
-    for run in ("default", "default, T 256"):
+    for run, T in (("default", SPEC.block_size), ("default, T 256", LONGER.block_size)):
+        _assert_carried(*runs[run][2:], T)
+    for run in ("default", "default, folded", "default, T 256"):
         backward = runs[run][3]
         for b in backward.bound_symbols:  # every region left without a matmul feeds attention's backward
             if is_fusion(b) and not _matmuls(b):
                 outs = {o.name for o in b.flat_proxy_outs}
                 read = [r for r in backward.bound_symbols if any(a.name in outs for a in r.flat_proxy_args)]
                 assert any(not is_fusion(r) and r.sym.name not in ("del", "return") for r in read), b.sym.name
+
+
+def _assert_carried(forward, backward, T: int) -> None:
+    """The MLP's first matmul's output, saved, is read by one region: the GELU's derivative, the GELU and the second
+    matmul's weight gradient from it."""
+    C, mlp = 128, 512
+    saved_by_forward = forward.bound_symbols[-1].args[1][0]
+    (saved,) = [t for t in saved_by_forward if isinstance(t, TensorProxy) and t.shape == (1, T, mlp)]
+    readers = [b for b in backward.bound_symbols if any(a.name == saved.name for a in b.flat_proxy_args)]
+    (region,) = [b for b in readers if b.sym.name not in ("del", "python_del")]
+    assert {"erf", "exp", "matmul"} <= {s.sym.name for s in region.subsymbols}
+    assert (C, mlp) in [tuple(o.shape) for o in region.flat_proxy_outs]  # the second matmul's weight gradient
 
 
 def _matmuls(region) -> list:

@@ -44,6 +44,7 @@ from thunder_fsdp_mem.analysis.symbols import (
     MATMULS,
     PACKS,
     REDUCE_SCATTER,
+    REDUCTIONS,
     RESHAPE_OPS,
     SLICE,
     UNPACK_IDS,
@@ -277,26 +278,40 @@ def _fusion(bsym, outs: Sequence[TensorLike], strides_of: StridesOf) -> Effect:
 
 def _region_workspace(subsymbols, inputs: set[str], root: dict, size: dict, allocated: dict[str, int]) -> int:
     """Bytes a fusion region holds while it runs beyond its outputs: the buffers its compiled program materializes
-    and frees inside. A fusing compiler (Inductor, nvFuser) keeps chains of elementwise ops and reductions in
-    registers, but a matmul is a kernel of its own: its result and each operand the region computes are buffers
-    in memory, from the subsymbol that makes them to the last one that reads them (or a view of them). Outputs
-    count from the subsymbol that makes them. The workspace is the most those buffers and the outputs made so far
-    hold at one subsymbol, less all the outputs (which the region's effect counts already)."""
+    and frees inside. A fusing compiler (Inductor, nvFuser) keeps chains of elementwise ops in registers, but a
+    matmul is a kernel of its own: its result and each operand the region computes are buffers in memory, and so
+    is a reduction's result. A value of a chain has no buffer: each kernel that reads it computes it again from
+    the buffers it comes from, so a buffer lives from the subsymbol that makes it to the last one that reads it, a
+    view of it, or a chain value computed from it (a softmax's scores until its gradient is computed from them).
+    Outputs count from the subsymbol that makes them. The workspace is the most those buffers and the outputs made
+    so far hold at one subsymbol, less all the outputs (which the region's effect counts already)."""
     made: dict[str, int] = {}
     born: dict[str, int] = {}
-    last: dict[str, int] = {}
     for i, sub in enumerate(subsymbols):
-        materialized = sym_id(sub) in MATMULS
-        for a in tensor_args(sub):
-            r = root.get(a.name, a.name)
-            last[r] = i
-            if materialized and r not in inputs:
-                born.setdefault(r, made.get(r, i))
+        sid = sym_id(sub)
+        if sid in MATMULS:
+            for a in tensor_args(sub):
+                r = root.get(a.name, a.name)
+                if r not in inputs:
+                    born.setdefault(r, made.get(r, i))
         for out in tensor_outputs(sub):
             r = root.get(out.name, out.name)
             made.setdefault(r, i)
-            if r in allocated or (materialized and r == out.name):
+            if r in allocated or (r == out.name and (sid in MATMULS or sid in REDUCTIONS)):
                 born.setdefault(r, i)
+    chain: dict[str, frozenset[str]] = {}  # a value without a buffer: the buffers and inputs it is computed from
+    last: dict[str, int] = {}
+    for i, sub in enumerate(subsymbols):
+        reads: set[str] = set()
+        for a in tensor_args(sub):
+            r = root.get(a.name, a.name)
+            reads |= chain.get(r, {r})
+        for r in reads:
+            last[r] = i
+        for out in tensor_outputs(sub):
+            r = root.get(out.name, out.name)
+            if r == out.name and r not in born and r not in inputs:
+                chain[r] = frozenset(reads)
     internal = {r: b for r, b in born.items() if r not in allocated}
     if not internal:
         return 0
@@ -304,7 +319,7 @@ def _region_workspace(subsymbols, inputs: set[str], root: dict, size: dict, allo
     for r, n in allocated.items():
         change[born.get(r, 0)] += n
     for r, b in internal.items():
-        d = last.get(r, b)
+        d = max(last.get(r, b), b)
         change[b] += size.get(r, 0)
         change[d + 1 if sym_id(subsymbols[d]) in MATMULS else d] -= size.get(r, 0)
     held = most = 0

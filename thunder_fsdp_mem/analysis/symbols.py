@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import thunder.torch as ltorch
 import torch
+from thunder.core import prims
 from thunder.core.prims import PrimIDs
 from thunder.core.proxies import CollectionProxy, FutureTensorProxy, Proxy, TensorProxy
 from thunder.executors import pythonex, sdpaex, torchex
@@ -89,6 +90,12 @@ CLEAR = pythonex.clear_mutable_collection.id  # compared with a symbol's id
 SLICE = symbol_name(torchex.slice_prim_impl)
 UPDATE_ALIASES = symbol_name(torchex.update_aliases)
 MATMULS = names(ltorch.matmul, ltorch.linear)
+# Reductions, whose results a fusing compiler writes to memory (the kernels that read them run after them).
+REDUCTIONS = names(
+    ltorch.sum, ltorch.amax, ltorch.amin, ltorch.mean, ltorch.prod, ltorch.var, ltorch.var_mean, ltorch.argmax,
+    ltorch.argmin, prims.sum, prims.amax, prims.amin, prims.prod, prims.var, prims.var_mean, prims.argmax,
+    prims.argmin,
+)
 # The forwards (with what backward needs) of Thunder's sdpa executor: the memory-efficient kernel's and the flash
 # kernel's.
 EFFICIENT_ATTENTION = symbol_name(sdpaex.sdpea_gradfwd)
