@@ -91,11 +91,8 @@ SLICE = symbol_name(torchex.slice_prim_impl)
 UPDATE_ALIASES = symbol_name(torchex.update_aliases)
 MATMULS = names(ltorch.matmul, ltorch.linear)
 # Reductions, whose results a fusing compiler writes to memory (the kernels that read them run after them).
-REDUCTIONS = names(
-    ltorch.sum, ltorch.amax, ltorch.amin, ltorch.mean, ltorch.prod, ltorch.var, ltorch.var_mean, ltorch.argmax,
-    ltorch.argmin, prims.sum, prims.amax, prims.amin, prims.prod, prims.var, prims.var_mean, prims.argmax,
-    prims.argmin,
-)
+_REDUCED = ("sum", "amax", "amin", "prod", "var", "var_mean", "argmax", "argmin")
+REDUCTIONS = names(ltorch.mean, *(getattr(module, op) for module in (ltorch, prims) for op in _REDUCED))
 # The forwards (with what backward needs) of Thunder's sdpa executor: the memory-efficient kernel's and the flash
 # kernel's.
 EFFICIENT_ATTENTION = symbol_name(sdpaex.sdpea_gradfwd)
