@@ -7,8 +7,8 @@ tensors it reads and writes, how big a tensor is, and where each name is defined
   (``names(ltorch.add, ltorch.sub)``), so that a release that renames or removes an op fails at import instead of
   never matching; a literal stays only where no Thunder object has the name, and says why.
 - The op families: ``VIEW_OPS`` (Thunder's own set of symbols that return views, plus the executor ops and prims
-  with the same semantics), ``RESHAPE_OPS``, ``ELEMENTWISE_OPS``, ``MATMULS``, the collectives and their waits,
-  Thunder's attention kernels, the unpacks.
+  with the same semantics), ``RESHAPE_OPS``, ``ELEMENTWISE_OPS``, ``MATMULS``, ``REDUCTIONS``, the collectives and
+  their waits, Thunder's attention kernels, the unpacks.
 - ``def_use(bsyms) -> DefUse``: which position defines each name and which positions read it, the one index the
   passes build (Thunder's ``producers``/``consumers`` map proxies to bound symbols; the passes need positions).
 - ``without_dels(bsyms)``: a trace's symbols without its ``del``s (and collection clears), as every rewrite
