@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, nargs="+", default=[4096])
     p.add_argument("--micro-batch-size", type=int, default=1)
     add_override(p)
+    p.add_argument("--transform", action="store_true", help="compile with FSDPMemoryTransform() (default: without)")
+    p.add_argument(
+        "--vectorize-window-masks",
+        action="store_true",
+        help="sliding-window masks by one comparison (thunder_fsdp_mem.vectorize_window_masks), not litgpt's loop",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--mode", choices=("jit", "fsdp"), default="jit", help="one configuration: thunder.jit or fsdp")
     p.add_argument("--shard", choices=runtime.SHARDS, default="zero2")
@@ -61,7 +67,7 @@ def run_one(args) -> dict:
     import torch
     from thunder.examine.memory_calculation import get_alloc_memory
 
-    from thunder_fsdp_mem import estimate_step
+    from thunder_fsdp_mem import FSDPMemoryTransform, estimate_step
     from thunder_fsdp_mem.training import litgpt_models
 
     rank = runtime.init_distributed(args.device)
@@ -70,11 +76,12 @@ def run_one(args) -> dict:
         n_layers=args.n_layers[0],
         block_size=args.block_size[0],
         overrides=litgpt_models.parse_overrides(args.override),
+        vectorized_window_masks=args.vectorize_window_masks,
     )
     model = litgpt_models.build(spec, dtype=litgpt_models.DTYPES[args.dtype], device=rank.device)
     idx, targets = litgpt_models.batch(spec, micro_batch_size=args.micro_batch_size, device=rank.device)
     samples: list[tuple[int, int, int, int]] = []
-    transforms = []
+    transforms = [FSDPMemoryTransform()] if args.transform else []
     if args.probe_dump:
         from thunder_fsdp_mem.predict.probes import MemoryProbeTransform
 
@@ -230,6 +237,8 @@ def _common(args, n_layers: int, block_size: int) -> list[str]:
         "--warmup",
         str(args.warmup),
         *[f"--override={o}" for o in args.override],
+        *(["--vectorize-window-masks"] if args.vectorize_window_masks else []),
+        *(["--transform"] if args.transform else []),
     ]
 
 
